@@ -1,0 +1,155 @@
+"""Root-cause evidence: the largest buffers of a compiled program.
+
+XLA writes its buffer assignment (which value lives in which allocation) and the optimised
+HLO (which instruction made each value, with its Python source line) when asked to dump a
+compilation. We read both back and join them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+_ALLOC = re.compile(r"^allocation \d+: size (\d+)(.*):$")
+_VALUE = re.compile(r"^ value: <\d+ ([^ >]+)(?: @[^>]*)?> \(size=(\d+),offset=\d+\): (\S+)")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)*?) ([\w\-]+)\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_FILE_NAME = re.compile(r'^(\d+) "(.*)"$')
+_FILE_LOC = re.compile(r"^(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)")
+_FRAME = re.compile(r"^(\d+) \{file_location_id=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One value in the compiled program's memory, with what made it."""
+
+    size: int
+    shape: str
+    kind: str  # argument, output, temp, constant or thread-local
+    instruction: str
+    op: str
+    source: str  # "file.py:LINE (function)" or "" when XLA recorded none
+
+
+def _allocation_kind(header: str) -> str:
+    if "parameter" in header:
+        return "argument"
+    if "output" in header or "live-out" in header:
+        return "output"
+    if "constant" in header:
+        return "constant"
+    if "thread-local" in header:
+        return "thread-local"
+    return "temp"
+
+
+def _short_path(path: str) -> str:
+    parts = pathlib.PurePath(path).parts
+    if "runbook" in parts:
+        return "/".join(parts[len(parts) - 1 - parts[::-1].index("runbook") :])
+    return "/".join(parts[-2:])
+
+
+@dataclasses.dataclass
+class _Instruction:
+    opcode: str
+    op_name: str = ""
+    source: str = ""
+    calls: str = ""
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, _Instruction], dict[str, str]]:
+    """Instructions by name (with op name and source line) and each computation's root."""
+    files: dict[str, str] = {}
+    functions: dict[str, str] = {}
+    locations: dict[str, str] = {}
+    frames: dict[str, str] = {}
+    table = ""
+    instructions: dict[str, _Instruction] = {}
+    roots: dict[str, str] = {}
+    computation = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped in {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}:
+            table = stripped
+            continue
+        if table and (m := re.match(r"^\d+ ", stripped)) is not None:
+            if table == "FileNames" and (f := _FILE_NAME.match(stripped)):
+                files[f[1]] = f[2]
+            elif table == "FunctionNames" and (f := _FILE_NAME.match(stripped)):
+                functions[f[1]] = f[2]
+            elif table == "FileLocations" and (f := _FILE_LOC.match(stripped)):
+                locations[f[1]] = (
+                    f"{_short_path(files.get(f[2], '?'))}:{f[4]} ({functions.get(f[3], '?')})"
+                )
+            elif table == "StackFrames" and (f := _FRAME.match(stripped)):
+                frames[f[1]] = locations.get(f[2], "")
+            continue
+        table = ""
+        if (c := _COMPUTATION.match(line)) is not None and "=" not in line.split("{")[0]:
+            computation = c[1]
+            continue
+        if (i := _INSTR.match(line)) is None:
+            continue
+        name, opcode = i[1], i[3]
+        inst = _Instruction(opcode)
+        if (m := re.search(r'op_name="([^"]*)"', line)) is not None:
+            inst.op_name = m[1]
+        if (m := re.search(r"stack_frame_id=(\d+)", line)) is not None:
+            inst.source = frames.get(m[1], "")
+        elif (m := re.search(r'source_file="([^"]*)" source_line=(\d+)', line)) is not None:
+            inst.source = f"{_short_path(m[1])}:{m[2]}"
+        if (m := re.search(r"calls=%?([\w.\-]+)", line)) is not None:
+            inst.calls = m[1]
+        instructions[name] = inst
+        if stripped.startswith("ROOT"):
+            roots[computation] = name
+    return instructions, roots
+
+
+def _describe(name: str, instructions: dict[str, _Instruction], roots: dict[str, str]):
+    """Op name and source for `name`, looking inside a fusion when the fusion has neither."""
+    inst = instructions.get(name)
+    seen = set()
+    while inst is not None and inst.calls and not inst.source and inst.calls not in seen:
+        seen.add(inst.calls)
+        inner = instructions.get(roots.get(inst.calls, ""))
+        if inner is None:
+            break
+        inst = _Instruction(inst.opcode, inst.op_name or inner.op_name, inner.source, inner.calls)
+    if inst is None:
+        return "", ""
+    return inst.op_name, inst.source
+
+
+def parse_dump(directory: pathlib.Path) -> list[Buffer]:
+    """Read the buffer assignment and optimised HLO that XLA dumped into `directory`.
+
+    Returns every value sorted by size, largest first. An empty list when the dump holds
+    no buffer assignment (some backends and older releases write none).
+    """
+    assignments = sorted(directory.glob("*after_optimizations-buffer-assignment.txt"))
+    if not assignments:
+        return []
+    # The last module compiled is the program itself (earlier ones can be small helpers).
+    assignment = max(assignments, key=lambda p: p.stat().st_size)
+    hlo_path = assignment.with_name(
+        assignment.name.replace("-buffer-assignment.txt", ".txt")
+    )
+    hlo = hlo_path.read_text() if hlo_path.exists() else ""
+    instructions, roots = _parse_hlo(hlo)
+    buffers = []
+    kind = "temp"
+    for line in assignment.read_text().splitlines():
+        if (a := _ALLOC.match(line)) is not None:
+            kind = _allocation_kind(a[2])
+        elif (v := _VALUE.match(line)) is not None:
+            name = v[1]
+            op, source = _describe(name, instructions, roots)
+            opcode = instructions[name].opcode if name in instructions else ""
+            buffers.append(Buffer(int(v[2]), v[3].split("{")[0], kind, f"{name} ({opcode})" if opcode else name, op, source))
+        elif line.startswith("Used values") or line.startswith("HloLiveRange"):
+            break
+    buffers.sort(key=lambda b: b.size, reverse=True)
+    return buffers

@@ -1,0 +1,273 @@
+"""Cases: a reproduction, its baseline and its fixes, measured the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _subprocess
+from ._buffers import Buffer
+from ._errors import RunbookError, UnknownNameError
+from ._measure import MemoryReport, compile_fn, measure
+from ._provenance import Provenance
+
+ROLES = ("baseline", "reproduction", "fix")
+Params = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One program of a case. `program(params)` returns the function to compile."""
+
+    name: str
+    role: str
+    summary: str
+    program: Callable[[Params], Callable[..., Any]]
+    since: str = ""  # a JAX API this variant needs, e.g. "jax.shard_map"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"`role` must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A memory problem: its variants, the scales it runs at and the grid of points.
+
+    Attributes:
+        args: ``args(scale, params, concrete)`` gives the inputs: `jax.ShapeDtypeStruct`s,
+            or real arrays when `concrete` (only at a runnable scale).
+        grid: ``grid(scale)`` lists the params each variant is measured at.
+        floor: optional analytic floor per device, ``floor(variant, scale, params)``.
+        compiler_options: XLA options for every compilation of the case.
+    """
+
+    name: str
+    title: str
+    symptom: str
+    devices: int
+    scales: Mapping[str, Mapping[str, Any]]
+    variants: Sequence[Variant]
+    args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]]
+    grid: Callable[[Mapping[str, Any]], list[dict[str, Any]]]
+    floor: Callable[[Variant, Mapping[str, Any], Params], int] | None = None
+    compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    tolerance: float = 1e-5
+    runnable_scale: str = "small"
+
+    def variant(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        valid = ", ".join(v.name for v in self.variants)
+        raise UnknownNameError(f"unknown variant {name!r} of case {self.name!r}; valid: {valid}")
+
+    def scale(self, name: str) -> Mapping[str, Any]:
+        if name not in self.scales:
+            valid = ", ".join(self.scales)
+            raise RunbookError(f"unknown scale {name!r} for case {self.name!r}; valid: {valid}")
+        return self.scales[name]
+
+    def available(self, variant: Variant) -> bool:
+        """False when this JAX lacks an API the variant needs."""
+        if not variant.since:
+            return True
+        obj: Any = importlib.import_module(variant.since.split(".")[0])
+        for part in variant.since.split(".")[1:]:
+            obj = getattr(obj, part, None)
+        return obj is not None
+
+
+_CASES = {"gather-grad": "runbook.cases.gather_grad", "pmap-loop": "runbook.cases.pmap_loop"}
+
+
+def case_names() -> list[str]:
+    """Names of every case, in the order the site presents them."""
+    return list(_CASES)
+
+
+def get_case(name: str) -> Case:
+    """The `Case` called `name` (see `case_names()`)."""
+    if name not in _CASES:
+        raise UnknownNameError(f"unknown case {name!r}; valid: {', '.join(_CASES)}")
+    return importlib.import_module(_CASES[name]).CASE
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    """Every variant of a case measured at one scale."""
+
+    case: str
+    scale: str
+    provenance: Provenance
+    reports: tuple[MemoryReport, ...]
+    skipped: tuple[dict[str, str], ...] = ()
+
+    def select(self, name: str | None = None, role: str | None = None, **params: Any):
+        """Reports matching a variant name, a role and params."""
+        return [
+            r
+            for r in self.reports
+            if (name is None or r.name == name)
+            and (role is None or r.role == role)
+            and all(r.params.get(k) == v for k, v in params.items())
+        ]
+
+    def one(self, name: str, **params: Any) -> MemoryReport:
+        found = self.select(name, **params)
+        if len(found) != 1:
+            raise RunbookError(f"{len(found)} reports match {name!r} {params}")
+        return found[0]
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.provenance
+        return {
+            "case": self.case,
+            "scale": self.scale,
+            "backend": p.backend,
+            "jax": p.jax,
+            "jaxlib": p.jaxlib,
+            "device_kind": p.device_kind,
+            "devices": p.devices,
+            "machine": p.machine,
+            "generated": p.date,
+            "variants": [r.to_json() for r in self.reports],
+            "skipped": list(self.skipped),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], buffers: Mapping[str, Any] | None = None):
+        prov = Provenance(
+            data["backend"], data["device_kind"], data["devices"], data["jax"],
+            data["jaxlib"], data.get("machine", ""), data.get("generated", ""),
+        )  # fmt: skip
+        reports = []
+        for i, v in enumerate(data["variants"]):
+            b = v["bytes"]
+            default_floor = b["argument"] + b["output"] - b["alias"]
+            reports.append(
+                MemoryReport(
+                    v["name"], b["argument"], b["output"], b["temp"], b["alias"], prov,
+                    role=v["role"], params=v["params"],
+                    floor=None if v["lower_bound"] == default_floor else v["lower_bound"],
+                    compile_seconds=v.get("compile_seconds", 0.0),
+                    buffers=tuple(Buffer(**x) for x in (buffers or {}).get(str(i), ())),
+                )  # fmt: skip
+            )
+        return cls(data["case"], data["scale"], prov, tuple(reports), tuple(data.get("skipped", ())))
+
+
+def _needs_child(case: Case) -> bool:
+    return jax.device_count() < case.devices
+
+
+def measure_case(
+    name: str,
+    scale: str = "seed",
+    *,
+    buffers: bool = False,
+    variants: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CaseResult:
+    """Measure every variant of case `name` at every point of its grid, allocating nothing.
+
+    A case that needs more devices than this process has runs in a fresh process with
+    forced host devices.
+
+    Args:
+        name: a case name from `case_names()`.
+        scale: a scale of the case ("seed" is the write-up's full size).
+        buffers: keep the largest buffers of each program (root-cause evidence).
+        variants: only these variants (default: all).
+        progress: called with a line per measured program.
+    """
+    case = get_case(name)
+    case.scale(scale)
+    for v in variants or ():
+        case.variant(v)
+    if _needs_child(case):
+        data = _subprocess.call(
+            "runbook._case:_measure_json", devices=case.devices, name=name, scale=scale,
+            buffers=buffers, variants=list(variants) if variants else None,
+        )  # fmt: skip
+        return CaseResult.from_json(data["result"], data["buffers"])
+    size = case.scales[scale]
+    reports, skipped = [], []
+    for variant in case.variants:
+        if variants and variant.name not in variants:
+            continue
+        if not case.available(variant):
+            skipped.append({"name": variant.name, "reason": f"needs {variant.since}"})
+            continue
+        for params in case.grid(size):
+            args = case.args(size, params, False)
+            report = measure(
+                variant.program(params), *args, name=variant.name,
+                compiler_options=case.compiler_options, buffers=buffers,
+            )  # fmt: skip
+            floor = case.floor(variant, size, params) if case.floor else None
+            report = dataclasses.replace(report, role=variant.role, params=params, floor=floor)
+            reports.append(report)
+            if progress:
+                progress(f"{name} {variant.name} {params}: {report.total:,} bytes")
+    return CaseResult(name, scale, Provenance.current(), tuple(reports), tuple(skipped))
+
+
+def _measure_json(name: str, scale: str, buffers: bool, variants: list[str] | None) -> dict:
+    result = measure_case(name, scale, buffers=buffers, variants=variants)
+    return {
+        "result": result.to_json(),
+        "buffers": {
+            str(i): [dataclasses.asdict(b) for b in r.buffers[:40]]
+            for i, r in enumerate(result.reports)
+        },
+    }
+
+
+def run_variant(case: Case, variant: Variant, scale: str, params: Params) -> Any:
+    """Execute one variant on real inputs; returns its result as a NumPy pytree."""
+    size = case.scale(scale)
+    args = case.args(size, params, True)
+    compiled = compile_fn(variant.program(params), *args, compiler_options=case.compiler_options)
+    return jax.tree_util.tree_map(np.asarray, compiled(*args))
+
+
+def _verify_json(name: str, scale: str) -> list[dict[str, Any]]:
+    case = get_case(name)
+    size = case.scale(scale)
+    reproduction = next(v for v in case.variants if v.role == "reproduction")
+    checks = []
+    for params in case.grid(size):
+        expected = run_variant(case, reproduction, scale, params)
+        for v in case.variants:
+            if v.role != "fix" or not case.available(v):
+                continue
+            got = run_variant(case, v, scale, params)
+            diffs = jax.tree_util.tree_map(
+                lambda a, b: float(np.max(np.abs(a - b) / (np.abs(b) + 1.0))), got, expected
+            )
+            err = max(jax.tree_util.tree_leaves(diffs))
+            checks.append(
+                {"name": v.name, "params": dict(params), "max_rel_error": err,
+                 "tolerance": case.tolerance, "same": err <= case.tolerance}
+            )  # fmt: skip
+    return checks
+
+
+def verify(name: str, scale: str | None = None) -> list[dict[str, Any]]:
+    """Run each fix and the reproduction on the same real inputs and compare results.
+
+    The error is max |fix - reproduction| / (|reproduction| + 1), elementwise, checked
+    against the case's tolerance. Runs at the case's runnable scale by default.
+    """
+    case = get_case(name)
+    scale = scale or case.runnable_scale
+    case.scale(scale)
+    if _needs_child(case):
+        return _subprocess.call("runbook._case:_verify_json", devices=case.devices, name=name, scale=scale)
+    return _verify_json(name, scale)

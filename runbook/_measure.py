@@ -1,0 +1,169 @@
+"""Compile-time memory of a JAX function, measured without allocating its inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from ._buffers import Buffer, parse_dump
+from ._errors import RunbookError
+from ._provenance import Provenance
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """What XLA's buffer assignment says one compiled program needs, per device.
+
+    ``total`` is argument + output + temp - alias: the bytes live at the program's peak.
+    ``lower_bound`` is what must exist anyway (the arguments and the outputs; donated
+    buffers that the output reuses counted once), unless a case supplies an analytic floor.
+    """
+
+    name: str
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    provenance: Provenance
+    role: str = ""
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    floor: int | None = None
+    compile_seconds: float = 0.0
+    buffers: tuple[Buffer, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.argument + self.output + self.temp - self.alias
+
+    @property
+    def lower_bound(self) -> int:
+        if self.floor is not None:
+            return self.floor
+        return self.argument + self.output - self.alias
+
+    @property
+    def overhead(self) -> float:
+        """total / lower bound: 1.0 means nothing beyond what must exist."""
+        return self.total / self.lower_bound if self.lower_bound else float("inf")
+
+    def to_json(self) -> dict[str, Any]:
+        """The CLI's per-variant object: bytes as integers."""
+        return {
+            "name": self.name,
+            "role": self.role,
+            "params": dict(self.params),
+            "bytes": {
+                "argument": self.argument,
+                "output": self.output,
+                "temp": self.temp,
+                "alias": self.alias,
+                "total": self.total,
+            },
+            "lower_bound": self.lower_bound,
+            "overhead": round(self.overhead, 6),
+            "compile_seconds": round(self.compile_seconds, 3),
+        }
+
+
+def _lowerable(fn: Callable[..., Any]) -> Any:
+    if not callable(fn):
+        raise RunbookError(f"`fn` must be a callable, got {type(fn).__name__}.")
+    # jax.jit / jax.pmap objects lower themselves; plain functions get a jit.
+    return fn if hasattr(fn, "lower") else jax.jit(fn)
+
+
+def compile_fn(
+    fn: Callable[..., Any],
+    *args: Any,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """Lower and compile `fn` for `args` (arrays or `jax.ShapeDtypeStruct`s)."""
+    lowerable = _lowerable(fn)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        lowered = lowerable.lower(*args)
+    except (jax.errors.JAXTypeError, jax.errors.ConcretizationTypeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunbookError(
+            f"could not trace `{name}`: {first}. Likely cause: Python control flow or a "
+            "NumPy call on a traced value; use lax.cond/lax.fori_loop or mark the argument "
+            "static."
+        ) from e
+    try:
+        return lowered.compile(dict(compiler_options or {}))
+    except Exception as e:  # XLA reports bad options and failed compiles as plain errors
+        raise RunbookError(f"XLA could not compile `{name}`: {str(e).splitlines()[0]}") from e
+
+
+def measure(
+    fn: Callable[..., Any],
+    *args: Any,
+    name: str | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+    buffers: bool = False,
+) -> MemoryReport:
+    """Compile `fn` for `args` and report its memory, allocating nothing.
+
+    Args:
+        fn: a function, or a `jax.jit`/`jax.pmap` object.
+        *args: concrete arrays or `jax.ShapeDtypeStruct`s (pytrees of them are fine).
+        name: label for tables; defaults to the function's name.
+        compiler_options: XLA options for this compilation only, e.g.
+            ``{"xla_cpu_experimental_ynn_fusion_type": ""}``.
+        buffers: also read back the buffer assignment, to list the largest buffers.
+
+    Returns:
+        A `MemoryReport` with bytes per device.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+        >>> report = measure(lambda a: jnp.sin(a) @ a, x)
+        >>> report.argument, report.output
+        (4194304, 4194304)
+        >>> report.lower_bound
+        8388608
+    """
+    options = dict(compiler_options or {})
+    with tempfile.TemporaryDirectory(prefix="runbook-dump-") as dump:
+        if buffers:
+            options["xla_dump_to"] = dump
+        start = time.perf_counter()
+        compiled = compile_fn(fn, *args, compiler_options=options)
+        seconds = time.perf_counter() - start
+        stats = compiled.memory_analysis()
+        found = tuple(parse_dump(pathlib.Path(dump))) if buffers else ()
+    if stats is None:
+        raise RunbookError(f"the {jax.default_backend()} backend reports no memory analysis.")
+    return MemoryReport(
+        name=name or getattr(fn, "__name__", "fn"),
+        argument=int(stats.argument_size_in_bytes),
+        output=int(stats.output_size_in_bytes),
+        temp=int(stats.temp_size_in_bytes),
+        alias=int(stats.alias_size_in_bytes),
+        provenance=Provenance.current(),
+        compile_seconds=seconds,
+        buffers=found,
+    )
+
+
+def largest_buffers(report: MemoryReport, count: int = 5, *, kind: str | None = None) -> list[Buffer]:
+    """The `count` largest buffers of a report made with ``buffers=True``.
+
+    Args:
+        report: from `measure(..., buffers=True)`.
+        count: how many to return.
+        kind: only buffers of this kind ("argument", "output", "temp", ...).
+    """
+    if not report.buffers:
+        raise RunbookError(
+            f"`report` {report.name!r} has no buffers: measure it with `buffers=True`."
+        )
+    chosen = [b for b in report.buffers if kind is None or b.kind == kind]
+    return chosen[:count]

@@ -1,0 +1,137 @@
+"""Renderings of measurements: terminal text, HTML tables for notebooks, charts."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._buffers import Buffer
+from ._measure import MemoryReport
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in binary units, e.g. ``fmt_bytes(3 * 2**30) == '3.00 GiB'``.
+
+    Examples:
+        >>> fmt_bytes(1536)
+        '1.50 KiB'
+        >>> fmt_bytes(224.0078125 * 2**30)
+        '224.01 GiB'
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class Table:
+    """Rows of strings that print as text and render as HTML in a notebook."""
+
+    def __init__(self, columns: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = ""):
+        self.columns = list(columns)
+        self.rows = [[str(c) for c in row] for row in rows]
+        self.caption = caption
+
+    def __str__(self) -> str:
+        widths = [max(len(r[i]) for r in [self.columns, *self.rows]) for i in range(len(self.columns))]
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
+        out = [line(self.columns), "  ".join("-" * w for w in widths), *map(line, self.rows)]
+        return "\n".join(out + ([self.caption] if self.caption else []))
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows
+        )
+        cap = f"<caption>{html.escape(self.caption)}</caption>" if self.caption else ""
+        return f'<table class="runbook-table">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+    __repr__ = __str__
+
+
+def _params(report: MemoryReport) -> str:
+    return ", ".join(f"{k}={v}" for k, v in report.params.items())
+
+
+def report_table(reports: Sequence[MemoryReport], caption: str | None = None) -> Table:
+    """Per-variant bytes, lower bound and overhead (total / lower bound)."""
+    rows = [
+        [r.name, r.role, _params(r), fmt_bytes(r.argument), fmt_bytes(r.temp), fmt_bytes(r.output),
+         fmt_bytes(r.total), fmt_bytes(r.lower_bound), f"{r.overhead:.3f}x"]
+        for r in reports
+    ]  # fmt: skip
+    if caption is None and reports:
+        caption = f"Compile-time, per device. {reports[0].provenance.label()}."
+    columns = ["variant", "role", "params", "argument", "temp", "output", "total", "lower bound", "total / bound"]
+    return Table(columns, rows, caption or "")
+
+
+text_table = report_table
+
+
+def buffer_table(buffers: Sequence[Buffer], caption: str = "") -> Table:
+    """The largest buffers: size, shape, kind, the instruction and source line that made it."""
+    rows = [[fmt_bytes(b.size), b.shape, b.kind, b.instruction, b.op, b.source or "-"] for b in buffers]
+    return Table(["size", "shape", "kind", "HLO instruction", "JAX op", "source"], rows, caption)
+
+
+def plot_reports(
+    reports: Sequence[MemoryReport],
+    *,
+    label: Callable[[MemoryReport], str] | None = None,
+    ax: Any = None,
+    title: str = "",
+):
+    """Stacked argument / temp / output bars per report, with each lower bound marked."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.55 * len(reports) + 1.6))
+    label = label or (lambda r: f"{r.name} ({_params(r)})" if r.params else r.name)
+    unit, scale = _unit(max(r.total for r in reports))
+    names = [label(r) for r in reports]
+    left = [0.0] * len(reports)
+    for part, color in (("argument", "#4c72b0"), ("temp", "#dd8452"), ("output", "#55a868")):
+        widths = [getattr(r, part) / scale for r in reports]
+        ax.barh(names, widths, left=left, color=color, label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.scatter([r.lower_bound / scale for r in reports], names, marker="|", s=400, color="black",
+               label="lower bound", zorder=3)  # fmt: skip
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{unit} per device (compile time)")
+    ax.legend(loc="lower right", fontsize="small")
+    prov = reports[0].provenance.label()
+    ax.set_title(f"{title}\n{prov}" if title else prov, fontsize="medium")
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_sweep(
+    reports: Sequence[MemoryReport], x: str, *, part: str = "total", ax: Any = None, title: str = ""
+):
+    """One line per variant: bytes (`part`: total, temp, argument) against `params[x]`."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    unit, scale = _unit(max(getattr(r, part) for r in reports) or 1)
+    for name in dict.fromkeys(r.name for r in reports):
+        points = sorted((r.params[x], getattr(r, part) / scale) for r in reports if r.name == name)
+        ax.plot(*zip(*points, strict=True), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(x)
+    ax.set_ylabel(f"{part} {unit} per device (compile time)")
+    ax.legend(fontsize="small")
+    prov = reports[0].provenance.label()
+    ax.set_title(f"{title}\n{prov}" if title else prov, fontsize="medium")
+    ax.figure.tight_layout()
+    return ax
+
+
+def _unit(largest: float) -> tuple[str, float]:
+    for unit, power in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if largest >= 2**power:
+            return unit, float(2**power)
+    return "bytes", 1.0

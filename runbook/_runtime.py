@@ -1,0 +1,153 @@
+"""Real peaks: execute a variant in a fresh process and read what it really used.
+
+GPU: the allocator's ``peak_bytes_in_use`` (per device, inputs included).
+CPU: the process's resident-set high-water mark during the run, minus the resident set
+before the inputs were made. It includes the inputs, the outputs, XLA's temporaries and
+anything the runtime allocates on the side (thread-pool stacks, kernel scratch); it counts
+all simulated devices together, so we divide by the device count for a per-device figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from . import _subprocess
+from ._errors import WontFitError
+
+# Prediction and measurement agree when within this fraction plus this slack per device.
+REL_TOLERANCE = 0.25
+ABS_TOLERANCE = 32 * 2**20
+# Never plan to use more than this share of what the machine reports available.
+SAFETY = 0.7
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimePeak:
+    """A measured peak beside its compile-time prediction, both per device."""
+
+    name: str
+    params: Mapping[str, Any]
+    predicted: int
+    measured: int
+    seconds: float
+    method: str
+    compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted."""
+        return self.measured / self.predicted if self.predicted else float("inf")
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.measured - self.predicted) <= REL_TOLERANCE * self.predicted + ABS_TOLERANCE
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{field} missing from /proc/self/status")
+
+
+def _available_host_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) * 1024
+    raise OSError("MemAvailable missing from /proc/meminfo")
+
+
+def _peak_json(
+    name: str, variant: str, scale: str, params: dict, options: dict, repeats: int
+) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from ._case import get_case
+    from ._measure import compile_fn
+
+    case = get_case(name)
+    v = case.variant(variant)
+    size = case.scale(scale)
+    options = {**case.compiler_options, **options}
+    devices = jax.local_devices()
+    gpu = devices[0].platform != "cpu"
+    # Predict first, on abstract inputs: refuse before allocating anything.
+    compiled = compile_fn(v.program(params), *case.args(size, params, False), compiler_options=options)
+    stats = compiled.memory_analysis()
+    predicted = stats.argument_size_in_bytes + stats.output_size_in_bytes
+    predicted += stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    if gpu:
+        limit = min(d.memory_stats()["bytes_limit"] for d in devices[: case.devices])
+        need, where = predicted, f"{devices[0].device_kind} ({limit:,} bytes usable)"
+    else:
+        limit = _available_host_bytes()
+        need, where = predicted * case.devices, f"this host ({limit:,} bytes available)"
+    if need > SAFETY * limit:
+        raise WontFitError(
+            f"refusing to run {name}/{variant} at scale {scale!r}: it needs {need:,} bytes "
+            f"and {where} allows {int(SAFETY * limit):,}. Use a smaller scale."
+        )
+    jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))  # start the runtime's pools
+    if not gpu:
+        base = _status("VmRSS")
+    args = jax.block_until_ready(case.args(size, params, True))
+    if not gpu:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current resident set
+    jax.block_until_ready(compiled(*args))
+    if gpu:
+        measured = max(d.memory_stats()["peak_bytes_in_use"] for d in devices[: case.devices])
+        method = "gpu peak_bytes_in_use"
+    else:
+        measured = (_status("VmHWM") - base) // case.devices
+        method = "cpu resident-set peak / devices"
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return {
+        "name": variant, "params": params, "predicted": int(predicted), "measured": int(measured),
+        "seconds": min(times) if times else 0.0, "method": method, "compiler_options": options,
+    }  # fmt: skip
+
+
+def runtime_peak(
+    case: str,
+    variant: str,
+    *,
+    scale: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+    repeats: int = 3,
+) -> RuntimePeak:
+    """Execute one variant for real in a fresh process and measure its peak.
+
+    Refuses (`WontFitError`) when the compile-time prediction exceeds the memory available.
+
+    Args:
+        case: a case name.
+        variant: one of the case's variants.
+        scale: defaults to the case's runnable scale.
+        params: the grid point; defaults to the first point of the grid.
+        compiler_options: extra XLA options for this run.
+        repeats: timed executions after the measured one (the fastest is reported).
+    """
+    from ._case import get_case
+
+    c = get_case(case)
+    c.variant(variant)
+    scale = scale or c.runnable_scale
+    size = c.scale(scale)
+    params = dict(params if params is not None else c.grid(size)[0])
+    data = _subprocess.call(
+        "runbook._runtime:_peak_json", devices=c.devices, name=case, variant=variant,
+        scale=scale, params=params, options=dict(compiler_options or {}), repeats=repeats,
+    )  # fmt: skip
+    return RuntimePeak(**data)
