@@ -29,6 +29,7 @@ class Variant:
     summary: str
     program: Callable[[Params], Callable[..., Any]]
     since: str = ""  # a JAX API this variant needs, e.g. "jax.shard_map"
+    args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -44,7 +45,7 @@ class Case:
             or real arrays when `concrete` (only at a runnable scale).
         grid: ``grid(scale)`` lists the params each variant is measured at.
         floor: optional analytic floor per device, ``floor(variant, scale, params)``.
-        compiler_options: XLA options for every compilation of the case.
+        options: ``options()`` gives the XLA options for every compilation of the case.
     """
 
     name: str
@@ -56,7 +57,7 @@ class Case:
     args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]]
     grid: Callable[[Mapping[str, Any]], list[dict[str, Any]]]
     floor: Callable[[Variant, Mapping[str, Any], Params], int] | None = None
-    compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    options: Callable[[], Mapping[str, Any]] = dict
     tolerance: float = 1e-5
     runnable_scale: str = "small"
 
@@ -66,6 +67,10 @@ class Case:
                 return v
         valid = ", ".join(v.name for v in self.variants)
         raise UnknownNameError(f"unknown variant {name!r} of case {self.name!r}; valid: {valid}")
+
+    def inputs(self, variant: Variant, scale: Mapping[str, Any], params: Params, concrete: bool):
+        """The arguments `variant` is called with (abstract unless `concrete`)."""
+        return (variant.args or self.args)(scale, params, concrete)
 
     def scale(self, name: str) -> Mapping[str, Any]:
         if name not in self.scales:
@@ -205,10 +210,10 @@ def measure_case(
             skipped.append({"name": variant.name, "reason": f"needs {variant.since}"})
             continue
         for params in case.grid(size):
-            args = case.args(size, params, False)
+            args = case.inputs(variant, size, params, False)
             report = measure(
                 variant.program(params), *args, name=variant.name,
-                compiler_options=case.compiler_options, buffers=buffers,
+                compiler_options=case.options(), buffers=buffers,
             )  # fmt: skip
             floor = case.floor(variant, size, params) if case.floor else None
             report = dataclasses.replace(report, role=variant.role, params=params, floor=floor)
@@ -232,8 +237,8 @@ def _measure_json(name: str, scale: str, buffers: bool, variants: list[str] | No
 def run_variant(case: Case, variant: Variant, scale: str, params: Params) -> Any:
     """Execute one variant on real inputs; returns its result as a NumPy pytree."""
     size = case.scale(scale)
-    args = case.args(size, params, True)
-    compiled = compile_fn(variant.program(params), *args, compiler_options=case.compiler_options)
+    args = case.inputs(variant, size, params, True)
+    compiled = compile_fn(variant.program(params), *args, compiler_options=case.options())
     return jax.tree_util.tree_map(np.asarray, compiled(*args))
 
 

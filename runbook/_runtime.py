@@ -74,11 +74,12 @@ def _peak_json(
     case = get_case(name)
     v = case.variant(variant)
     size = case.scale(scale)
-    options = {**case.compiler_options, **options}
+    options = {**case.options(), **options}
     devices = jax.local_devices()
     gpu = devices[0].platform != "cpu"
     # Predict first, on abstract inputs: refuse before allocating anything.
-    compiled = compile_fn(v.program(params), *case.args(size, params, False), compiler_options=options)
+    abstract = case.inputs(v, size, params, False)
+    compiled = compile_fn(v.program(params), *abstract, compiler_options=options)
     stats = compiled.memory_analysis()
     predicted = stats.argument_size_in_bytes + stats.output_size_in_bytes
     predicted += stats.temp_size_in_bytes - stats.alias_size_in_bytes
@@ -96,7 +97,7 @@ def _peak_json(
     jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))  # start the runtime's pools
     if not gpu:
         base = _status("VmRSS")
-    args = jax.block_until_ready(case.args(size, params, True))
+    args = jax.block_until_ready(case.inputs(v, size, params, True))
     if not gpu:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the high-water mark to the current resident set

@@ -1,0 +1,226 @@
+"""`pmap-loop`: a Python loop inside a `jax.pmap`-ed function runs out of memory.
+
+The user maps a function over 4 devices with ``in_axes=(0, None)``: each device gets its
+slice of the index batch and the whole input array, and a Python ``for`` loop adds up an
+expensive function of one row per iteration. The functions below are the reproduction
+and its fixes; copy the one you need.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._case import Case, Variant
+
+DEVICES = 4
+ITERATIONS = (1, 2, 4, 8, 16, 32)
+
+
+def expensive(row: jax.Array, width: int) -> jax.Array:
+    """A row folded into a (rows, width) matrix, times its transpose: a real intermediate.
+
+    The (rows, rows) product must be materialised before `tanh` and the sum can use it.
+    """
+    a = row.reshape(-1, width)
+    return jnp.sum(jnp.tanh(a @ a.T))
+
+
+def toy_expensive(row: jax.Array) -> jax.Array:
+    """The write-up's `expensive_func`: it fuses into a single reduction, no intermediate."""
+    return jnp.sum(row**2)
+
+
+def loop_sum(inds: jax.Array, inputs: jax.Array, width: int) -> jax.Array:
+    """The reproduction's body: a Python loop, unrolled into one copy per iteration."""
+    total = jnp.zeros((), inputs.dtype)
+    for i in range(inds.shape[0]):
+        total += expensive(inputs[inds[i]], width)
+    return total
+
+
+def fori_sum(inds: jax.Array, inputs: jax.Array, width: int) -> jax.Array:
+    """The same sum as a rolled loop: one copy of the body, reused every iteration."""
+
+    def body(i, total):
+        return total + expensive(inputs[inds[i]], width)
+
+    # zeros_like(an element) rather than zeros(()): inside shard_map the carry must vary
+    # across devices like the values added to it.
+    return lax.fori_loop(0, inds.shape[0], body, jnp.zeros_like(inputs[0, 0]))
+
+
+def map_sum(inds: jax.Array, inputs: jax.Array, width: int, batch_size: int = 4) -> jax.Array:
+    """`lax.map` over the indices, `batch_size` rows at a time (a loop of small vmaps)."""
+    values = lax.map(lambda i: expensive(inputs[i], width), inds, batch_size=batch_size)
+    return jnp.sum(values)
+
+
+def vmap_sum(inds: jax.Array, inputs: jax.Array, width: int) -> jax.Array:
+    """The write-up's advice: `jax.vmap` over the iterations (all of them at once)."""
+    return jnp.sum(jax.vmap(lambda i: expensive(inputs[i], width))(inds))
+
+
+def pmapped(body, width: int, *, sharded: bool = False):
+    """``jax.pmap`` of `body`: the input replicated (``in_axes=None``) or split by rows."""
+    return jax.pmap(functools.partial(body, width=width), in_axes=(0, 0 if sharded else None))
+
+
+def shard_mapped(body, width: int, devices: int = DEVICES):
+    """The recommended fix: `jax.jit` + `jax.shard_map`, rows sharded, loop rolled."""
+    mesh = jax.make_mesh((devices,), ("d",))
+
+    def per_device(inds, rows):  # inds: (1, k) local row numbers; rows: this device's rows
+        return body(inds[0], rows, width)[None]
+
+    spec = P("d")
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+
+
+def _rows_per_device(scale: Mapping[str, Any]) -> int:
+    return scale["rows"] // DEVICES
+
+
+def _local_indices(scale, params, concrete):
+    k = params["iterations"]
+    if not concrete:
+        return jax.ShapeDtypeStruct((DEVICES, k), jnp.int32)
+    rng = np.random.default_rng(0)
+    return rng.integers(0, _rows_per_device(scale), size=(DEVICES, k)).astype(np.int32)
+
+
+def _inputs(scale, concrete):
+    shape = (scale["rows"], scale["row"])
+    if not concrete:
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+    rng = np.random.default_rng(1)
+    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(scale["row"])).astype(np.float32)
+
+
+def replicated_args(scale, params, concrete):
+    """(global indices per device, the whole input): what the user passed to pmap."""
+    local = _local_indices(scale, params, concrete)
+    offsets = np.arange(DEVICES, dtype=np.int32)[:, None] * _rows_per_device(scale)
+    inds = local if not concrete else jnp.asarray(local + offsets)
+    x = _inputs(scale, concrete)
+    return inds, (x if not concrete else jnp.asarray(x))
+
+
+def sharded_pmap_args(scale, params, concrete):
+    """(local indices, inputs split into a (devices, rows/devices, row) stack)."""
+    inds = _local_indices(scale, params, concrete)
+    shape = (DEVICES, _rows_per_device(scale), scale["row"])
+    if not concrete:
+        return inds, jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jnp.asarray(inds), jnp.asarray(_inputs(scale, True).reshape(shape))
+
+
+def sharded_jit_args(scale, params, concrete):
+    """(local indices, the whole input), both sharded over devices along their first axis."""
+    sharding = NamedSharding(jax.make_mesh((DEVICES,), ("d",)), P("d"))
+    inds, x = _local_indices(scale, params, concrete), _inputs(scale, concrete)
+    if not concrete:
+        return (
+            jax.ShapeDtypeStruct(inds.shape, inds.dtype, sharding=sharding),
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        )
+    return jax.device_put(inds, sharding), jax.device_put(x, sharding)
+
+
+def serial_args(scale, params, concrete):
+    """One device's share of the work: its indices and the whole input."""
+    inds, x = replicated_args(scale, params, concrete)
+    if not concrete:
+        return jax.ShapeDtypeStruct(inds.shape[1:], inds.dtype), x
+    return inds[0], x
+
+
+def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:
+    """Per device: the input it holds, its indices and output, one iteration's product."""
+    rows = scale["rows"] if variant.name in _REPLICATED else _rows_per_device(scale)
+    inputs = rows * scale["row"] * 4
+    indices = params["iterations"] * 4
+    output = 4
+    product = (scale["row"] // scale["width"]) ** 2 * 4
+    return inputs + indices + output + product
+
+
+_REPLICATED = {"serial", "pmap-loop", "pmap-fori", "pmap-map", "pmap-vmap"}
+
+# On CPU, jaxlib 0.10's YNNPACK fusion swallows the matrix product into a fused kernel
+# whose scratch memory XLA's buffer assignment does not see. Switching it off makes the
+# compile-time figures account for what the process really uses (see the pmap-loop page).
+CPU_ACCOUNTING_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def options() -> dict[str, Any]:
+    """The XLA options this case compiles with: the accounting fix on CPUs that have YNN."""
+    if jax.default_backend() != "cpu":
+        return {}
+    try:
+        jax.jit(lambda a: a).lower(1.0).compile(dict(CPU_ACCOUNTING_OPTIONS))
+    except Exception:  # older jaxlib: no such option, and no such fusion
+        return {}
+    return dict(CPU_ACCOUNTING_OPTIONS)
+
+
+
+
+_WIDTH = 256
+
+CASE = Case(
+    name="pmap-loop",
+    title="A Python loop inside pmap: out of memory on every device",
+    symptom="a pmap-ed function with a Python for loop runs out of memory on each device",
+    devices=DEVICES,
+    scales={
+        "seed": {"rows": 128, "row": 2048 * _WIDTH, "width": _WIDTH},
+        "small": {"rows": 128, "row": 512 * _WIDTH, "width": _WIDTH},
+        "tiny": {"rows": 16, "row": 16 * _WIDTH, "width": _WIDTH},
+    },
+    variants=(
+        Variant(
+            "serial", "baseline", "one device's share of the work, jit on a single device",
+            lambda p: jax.jit(functools.partial(loop_sum, width=_WIDTH)), args=serial_args,
+        ),
+        Variant(
+            "pmap-loop", "reproduction", "pmap, whole input replicated, Python for loop",
+            lambda p: pmapped(loop_sum, _WIDTH),
+        ),
+        Variant(
+            "pmap-fori", "fix", "pmap, whole input replicated, lax.fori_loop",
+            lambda p: pmapped(fori_sum, _WIDTH),
+        ),
+        Variant(
+            "pmap-map", "fix", "pmap, whole input replicated, lax.map(batch_size=4)",
+            lambda p: pmapped(map_sum, _WIDTH),
+        ),
+        Variant(
+            "pmap-vmap", "fix", "pmap, whole input replicated, jax.vmap over iterations",
+            lambda p: pmapped(vmap_sum, _WIDTH),
+        ),
+        Variant(
+            "pmap-sharded", "fix", "pmap, input split by rows (in_axes=0), Python for loop",
+            lambda p: pmapped(loop_sum, _WIDTH, sharded=True), args=sharded_pmap_args,
+        ),
+        Variant(
+            "shard_map-fori", "fix",
+            "recommended: jit + shard_map, input sharded by rows, lax.fori_loop",
+            lambda p: shard_mapped(fori_sum, _WIDTH), args=sharded_jit_args, since="jax.shard_map",
+        ),
+    ),
+    args=replicated_args,
+    grid=lambda scale: [{"iterations": k} for k in ITERATIONS if k <= scale["rows"] // DEVICES],
+    floor=_floor,
+    options=options,
+    tolerance=1e-4,
+)
