@@ -167,3 +167,23 @@ def largest_buffers(report: MemoryReport, count: int = 5, *, kind: str | None = 
         )
     chosen = [b for b in report.buffers if kind is None or b.kind == kind]
     return chosen[:count]
+
+
+def xla_usage_report_total(
+    fn: Callable[..., Any], *args: Any, compiler_options: Mapping[str, Any] | None = None
+) -> int | None:
+    """The "Total bytes" line of XLA's own memory-usage report for the compiled program.
+
+    An independent reading of the same buffer assignment (the one jax-ml/jax#30015 quotes);
+    None when this backend or release writes no such report.
+    """
+    with tempfile.TemporaryDirectory(prefix="runbook-dump-") as dump:
+        compile_fn(fn, *args, compiler_options={**(compiler_options or {}), "xla_dump_to": dump})
+        reports = sorted(pathlib.Path(dump).glob("*memory-usage-report.txt"))
+        if not reports:
+            return None
+        first = max(reports, key=lambda p: p.stat().st_size).read_text().splitlines()
+    for line in first:
+        if line.startswith("Total bytes:"):
+            return int(line.split()[2])
+    return None
