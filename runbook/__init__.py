@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from ._buffers import Buffer
 from ._case import Case, CaseResult, Variant, case_names, get_case, measure_case, verify
+from ._claims import Claim, claims_table
 from ._errors import RunbookError, UnknownNameError, WontFitError
-from ._measure import MemoryReport, compile_fn, largest_buffers, measure
+from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
 from ._provenance import Provenance
+from ._render import Table, buffer_table, fmt_bytes, plot_reports, plot_sweep, report_table
 from ._runtime import RuntimePeak, runtime_peak
 
 __version__ = "0.1.0"
@@ -14,21 +16,30 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer",
     "Case",
+    "Claim",
     "CaseResult",
     "MemoryReport",
     "Provenance",
     "RunbookError",
     "RuntimePeak",
+    "Table",
     "UnknownNameError",
     "Variant",
     "WontFitError",
     "__version__",
+    "buffer_table",
     "case_names",
+    "claims_table",
     "compile_fn",
     "get_case",
+    "fmt_bytes",
     "largest_buffers",
     "measure",
     "measure_case",
+    "plot_reports",
+    "plot_sweep",
+    "report_table",
     "runtime_peak",
     "verify",
+    "xla_usage_report_total",
 ]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ._case import case_names, get_case, measure_case
 from ._errors import RunbookError
-from ._render import text_table
+from ._render import report_table
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
-        print(text_table(result.reports))
+        print(report_table(result.reports))
         print(f"\n{result.provenance.label()}; bytes per device; scale {args.scale!r}")
     return 0

@@ -68,7 +68,6 @@ def report_table(reports: Sequence[MemoryReport], caption: str | None = None) ->
     return Table(columns, rows, caption or "")
 
 
-text_table = report_table
 
 
 def buffer_table(buffers: Sequence[Buffer], caption: str = "") -> Table:
