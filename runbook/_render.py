@@ -36,7 +36,7 @@ class Table:
 
     def __str__(self) -> str:
         widths = [max(len(r[i]) for r in [self.columns, *self.rows]) for i in range(len(self.columns))]
-        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
         out = [line(self.columns), "  ".join("-" * w for w in widths), *map(line, self.rows)]
         return "\n".join(out + ([self.caption] if self.caption else []))
 
