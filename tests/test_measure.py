@@ -1,0 +1,115 @@
+"""The measurement core against programs whose bytes can be computed by hand."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import runbook
+
+N = 1024
+VEC = jax.ShapeDtypeStruct((N,), jnp.float32)
+
+
+def test_elementwise_bytes_by_hand():
+    report = runbook.measure(lambda a: a * 2.0, VEC)
+    assert report.argument == N * 4
+    assert report.output == N * 4
+    assert report.alias == 0
+    assert report.total == report.argument + report.output + report.temp
+    assert report.lower_bound == 2 * N * 4
+
+
+def test_donation_is_counted_once():
+    donated = jax.jit(lambda a: a * 2.0, donate_argnums=0)
+    report = runbook.measure(donated, VEC)
+    assert report.alias == N * 4
+    assert report.lower_bound == N * 4
+    assert report.total == N * 4 + report.temp
+
+
+def test_two_inputs_and_a_tuple_output():
+    pair = (jax.ShapeDtypeStruct((N, 2), jnp.float32), jax.ShapeDtypeStruct((N,), jnp.int16))
+    report = runbook.measure(lambda a, b: (a.sum(1), b + 1), *pair)
+    assert report.argument == N * 2 * 4 + N * 2
+    # A tuple output also owns its table of element pointers: 8 bytes per element.
+    assert report.output == N * 4 + N * 2 + 2 * 8
+
+
+def test_concrete_and_abstract_arguments_agree():
+    concrete = runbook.measure(lambda a: jnp.cumsum(a), jnp.ones(N))
+    abstract = runbook.measure(lambda a: jnp.cumsum(a), VEC)
+    assert (concrete.argument, concrete.output, concrete.temp) == (
+        abstract.argument,
+        abstract.output,
+        abstract.temp,
+    )
+
+
+def test_overhead_is_total_over_lower_bound():
+    report = runbook.measure(lambda a: jnp.outer(a, a).sum(0), VEC)
+    assert report.overhead == pytest.approx(report.total / report.lower_bound)
+    assert report.overhead >= 1.0
+
+
+def test_provenance_names_backend_and_versions():
+    p = runbook.measure(lambda a: a, VEC).provenance
+    assert p.backend == jax.default_backend()
+    assert p.jax == jax.__version__
+    assert p.devices == jax.device_count()
+    assert p.jax in p.label() and p.backend.upper() in p.label()
+
+
+def test_json_has_integer_bytes():
+    data = runbook.measure(lambda a: a + 1, VEC).to_json()
+    assert all(isinstance(v, int) for v in data["bytes"].values())
+    b = data["bytes"]
+    assert b["total"] == b["argument"] + b["output"] + b["temp"] - b["alias"]
+
+
+def test_not_callable_is_a_clear_error():
+    with pytest.raises(runbook.RunbookError, match="`fn` must be a callable"):
+        runbook.measure(42, VEC)
+
+
+def test_untraceable_function_is_a_clear_error():
+    def branchy(a):
+        return a if a.sum() > 0 else -a
+
+    with pytest.raises(runbook.RunbookError, match="could not trace `branchy`"):
+        runbook.measure(branchy, VEC)
+
+
+def test_unknown_compiler_option_is_a_clear_error():
+    with pytest.raises(runbook.RunbookError, match="XLA could not compile"):
+        runbook.measure(lambda a: a, VEC, compiler_options={"xla_no_such_option": True})
+
+
+def test_largest_buffers_need_buffers():
+    report = runbook.measure(lambda a: a, VEC)
+    with pytest.raises(runbook.RunbookError, match="buffers=True"):
+        runbook.largest_buffers(report)
+
+
+def test_largest_buffer_is_the_materialised_intermediate():
+    # The sort's result feeds two consumers, so XLA keeps it as a buffer of its own.
+    def f(a):
+        c = jnp.sort(a)
+        return c[::2] + c[1::2]
+
+    report = runbook.measure(f, VEC, buffers=True)
+    biggest = runbook.largest_buffers(report, 3)
+    assert biggest == sorted(biggest, key=lambda b: b.size, reverse=True)
+    assert {b.kind for b in report.buffers} >= {"argument", "output"}
+    assert any(b.size == N * 4 and b.kind == "argument" for b in report.buffers)
+    sort = [b for b in report.buffers if "sort" in b.op]
+    assert sort and sort[0].source.startswith("tests/test_measure.py:")
+
+
+def test_xla_report_agrees_with_memory_analysis():
+    f = lambda a: jnp.outer(a, a).sum(0)  # noqa: E731
+    report = runbook.measure(f, VEC)
+    total = runbook.xla_usage_report_total(f, VEC)
+    assert total is not None
+    assert total == pytest.approx(report.total, rel=0.01)

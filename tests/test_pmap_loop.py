@@ -1,0 +1,76 @@
+"""pmap-loop: every verdict, every fix's result, the issue's targets (4 simulated devices)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import runbook
+from runbook.cases import pmap_loop
+
+
+@pytest.fixture(scope="module")
+def seed():
+    start = time.perf_counter()
+    result = runbook.measure_case("pmap-loop", "seed")
+    return result, time.perf_counter() - start
+
+
+EXPECTED = {
+    "replicates": "refuted",
+    "all-gpus": "refuted",
+    "eager-compile": "confirmed",
+    "fragmentation": "not reproducible here",
+    "vmap": "refuted",
+    "static-argnums": "refuted",
+    "shard-inputs": "confirmed",
+    "manual": "refuted",
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    return {c.key: c.verdict for c in pmap_loop.claims()}
+
+
+@pytest.mark.parametrize(("key", "verdict"), EXPECTED.items())
+def test_verdict(verdicts, key, verdict):
+    assert verdicts[key] == verdict
+
+
+def test_every_claim_has_a_verdict(verdicts):
+    assert set(verdicts) == set(EXPECTED)
+
+
+def test_whole_case_measured_within_a_minute(seed):
+    result, seconds = seed
+    assert result.provenance.devices == 4
+    assert seconds < 60
+
+
+def sweep(result, name, part="temp"):
+    return [getattr(r, part) for r in sorted(result.select(name), key=lambda r: r.params["iterations"])]
+
+
+def test_reproduction_grows_with_iterations(seed):
+    temps = sweep(seed[0], "pmap-loop")
+    assert temps == sorted(temps)
+    assert temps[-1] >= 2 * temps[0]
+
+
+def test_recommended_fix_is_flat_sharded_and_near_its_floor(seed):
+    result = seed[0]
+    fix = result.select("shard_map-fori")
+    totals = [r.total for r in fix]
+    assert max(totals) <= 1.01 * min(totals)
+    repro = result.one("pmap-loop", iterations=1)
+    assert fix[0].argument * 4 <= repro.argument * 1.01
+    assert all(r.overhead <= 1.10 for r in fix)
+
+
+def test_fixes_give_the_same_result():
+    checks = runbook.verify("pmap-loop", "tiny")
+    names = {c["name"] for c in checks}
+    assert names == {v.name for v in pmap_loop.CASE.variants if v.role == "fix"}
+    assert all(c["same"] for c in checks), checks
