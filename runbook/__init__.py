@@ -8,7 +8,15 @@ from ._claims import Claim, claims_table
 from ._errors import RunbookError, UnknownNameError, WontFitError
 from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
 from ._provenance import Provenance
-from ._render import Table, buffer_table, fmt_bytes, plot_reports, plot_sweep, report_table
+from ._render import (
+    Table,
+    buffer_table,
+    fmt_bytes,
+    peak_table,
+    plot_reports,
+    plot_sweep,
+    report_table,
+)
 from ._runtime import RuntimePeak, runtime_peak
 
 __version__ = "0.1.0"
@@ -36,6 +44,7 @@ __all__ = [
     "largest_buffers",
     "measure",
     "measure_case",
+    "peak_table",
     "plot_reports",
     "plot_sweep",
     "report_table",

@@ -177,6 +177,7 @@ def measure_case(
     *,
     buffers: bool = False,
     variants: Sequence[str] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CaseResult:
     """Measure every variant of case `name` at every point of its grid, allocating nothing.
@@ -189,6 +190,7 @@ def measure_case(
         scale: a scale of the case ("seed" is the write-up's full size).
         buffers: keep the largest buffers of each program (root-cause evidence).
         variants: only these variants (default: all).
+        compiler_options: XLA options replacing the case's own (``{}``: XLA's defaults).
         progress: called with a line per measured program.
     """
     case = get_case(name)
@@ -199,9 +201,11 @@ def measure_case(
         data = _subprocess.call(
             "runbook._case:_measure_json", devices=case.devices, name=name, scale=scale,
             buffers=buffers, variants=list(variants) if variants else None,
+            compiler_options=None if compiler_options is None else dict(compiler_options),
         )  # fmt: skip
         return CaseResult.from_json(data["result"], data["buffers"])
     size = case.scales[scale]
+    options = case.options() if compiler_options is None else compiler_options
     reports, skipped = [], []
     for variant in case.variants:
         if variants and variant.name not in variants:
@@ -213,7 +217,7 @@ def measure_case(
             args = case.inputs(variant, size, params, False)
             report = measure(
                 variant.program(params), *args, name=variant.name,
-                compiler_options=case.options(), buffers=buffers,
+                compiler_options=options, buffers=buffers,
             )  # fmt: skip
             floor = case.floor(variant, size, params) if case.floor else None
             report = dataclasses.replace(report, role=variant.role, params=params, floor=floor)
@@ -223,8 +227,12 @@ def measure_case(
     return CaseResult(name, scale, Provenance.current(), tuple(reports), tuple(skipped))
 
 
-def _measure_json(name: str, scale: str, buffers: bool, variants: list[str] | None) -> dict:
-    result = measure_case(name, scale, buffers=buffers, variants=variants)
+def _measure_json(
+    name: str, scale: str, buffers: bool, variants: list[str] | None, compiler_options: dict | None
+) -> dict:
+    result = measure_case(
+        name, scale, buffers=buffers, variants=variants, compiler_options=compiler_options
+    )
     return {
         "result": result.to_json(),
         "buffers": {

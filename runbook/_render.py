@@ -134,3 +134,23 @@ def _unit(largest: float) -> tuple[str, float]:
         if largest >= 2**power:
             return unit, float(2**power)
     return "bytes", 1.0
+
+
+def peak_table(peaks: Sequence[Any], *, reference: str | None = None, caption: str = "") -> Table:
+    """Measured peaks beside their compile-time predictions (`RuntimePeak`s).
+
+    With `reference` (a variant name), run times are also given as a ratio to that variant.
+    """
+    ref = next((p.seconds for p in peaks if p.name == reference), None)
+    rows = []
+    for p in peaks:
+        row = [p.name, ", ".join(f"{k}={v}" for k, v in p.params.items()), fmt_bytes(p.predicted),
+               fmt_bytes(p.measured), f"{p.ratio:.2f}", "yes" if p.agrees else "NO",
+               f"{p.seconds * 1e3:.1f} ms"]  # fmt: skip
+        if ref:
+            row.append(f"{p.seconds / ref:.2f}x")
+        rows.append(row)
+    columns = ["variant", "params", "predicted", "measured", "measured / predicted", "agree?", "run time"]
+    if ref:
+        columns.append(f"time vs {reference}")
+    return Table(columns, rows, caption)

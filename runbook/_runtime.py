@@ -63,7 +63,7 @@ def _available_host_bytes() -> int:
 
 
 def _peak_json(
-    name: str, variant: str, scale: str, params: dict, options: dict, repeats: int
+    name: str, variant: str, scale: str, params: dict, options: dict | None, repeats: int
 ) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -74,7 +74,7 @@ def _peak_json(
     case = get_case(name)
     v = case.variant(variant)
     size = case.scale(scale)
-    options = {**case.options(), **options}
+    options = case.options() if options is None else options
     devices = jax.local_devices()
     gpu = devices[0].platform != "cpu"
     # Predict first, on abstract inputs: refuse before allocating anything.
@@ -101,13 +101,14 @@ def _peak_json(
     if not gpu:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the high-water mark to the current resident set
-    jax.block_until_ready(compiled(*args))
+    out = jax.block_until_ready(compiled(*args))
+    used = len(jax.tree_util.tree_leaves(out)[0].sharding.device_set)  # 1 for a serial program
     if gpu:
-        measured = max(d.memory_stats()["peak_bytes_in_use"] for d in devices[: case.devices])
+        measured = max(d.memory_stats()["peak_bytes_in_use"] for d in devices[:used])
         method = "gpu peak_bytes_in_use"
     else:
-        measured = (_status("VmHWM") - base) // case.devices
-        method = "cpu resident-set peak / devices"
+        measured = (_status("VmHWM") - base) // used
+        method = "cpu resident-set peak / devices used"
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -137,7 +138,7 @@ def runtime_peak(
         variant: one of the case's variants.
         scale: defaults to the case's runnable scale.
         params: the grid point; defaults to the first point of the grid.
-        compiler_options: extra XLA options for this run.
+        compiler_options: XLA options replacing the case's own (``{}``: XLA's defaults).
         repeats: timed executions after the measured one (the fastest is reported).
     """
     from ._case import get_case
@@ -149,6 +150,6 @@ def runtime_peak(
     params = dict(params if params is not None else c.grid(size)[0])
     data = _subprocess.call(
         "runbook._runtime:_peak_json", devices=c.devices, name=case, variant=variant,
-        scale=scale, params=params, options=dict(compiler_options or {}), repeats=repeats,
+        scale=scale, params=params, options=None if compiler_options is None else dict(compiler_options), repeats=repeats,
     )  # fmt: skip
     return RuntimePeak(**data)

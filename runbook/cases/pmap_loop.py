@@ -189,7 +189,7 @@ CASE = Case(
     devices=DEVICES,
     scales={
         "seed": {"rows": 128, "row": 2048 * _WIDTH, "width": _WIDTH},
-        "small": {"rows": 128, "row": 512 * _WIDTH, "width": _WIDTH},
+        "small": {"rows": 128, "row": 1024 * _WIDTH, "width": _WIDTH},
         "tiny": {"rows": 16, "row": 16 * _WIDTH, "width": _WIDTH},
     },
     variants=(
