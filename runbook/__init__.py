@@ -17,7 +17,7 @@ from ._render import (
     plot_sweep,
     report_table,
 )
-from ._runtime import RuntimePeak, runtime_peak
+from ._runtime import RuntimePeak, agreement, runtime_peak
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "Variant",
     "WontFitError",
     "__version__",
+    "agreement",
     "buffer_table",
     "case_names",
     "claims_table",

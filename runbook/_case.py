@@ -245,8 +245,9 @@ def _measure_json(
 def run_variant(case: Case, variant: Variant, scale: str, params: Params) -> Any:
     """Execute one variant on real inputs; returns its result as a NumPy pytree."""
     size = case.scale(scale)
+    abstract = case.inputs(variant, size, params, False)
+    compiled = compile_fn(variant.program(params), *abstract, compiler_options=case.options())
     args = case.inputs(variant, size, params, True)
-    compiled = compile_fn(variant.program(params), *args, compiler_options=case.options())
     return jax.tree_util.tree_map(np.asarray, compiled(*args))
 
 

@@ -110,13 +110,22 @@ def _inputs(scale, concrete):
     return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(scale["row"])).astype(np.float32)
 
 
+def _mesh():
+    return jax.make_mesh((DEVICES,), ("d",))
+
+
 def replicated_args(scale, params, concrete):
     """(global indices per device, the whole input): what the user passed to pmap."""
     local = _local_indices(scale, params, concrete)
-    offsets = np.arange(DEVICES, dtype=np.int32)[:, None] * _rows_per_device(scale)
-    inds = local if not concrete else jnp.asarray(local + offsets)
     x = _inputs(scale, concrete)
-    return inds, (x if not concrete else jnp.asarray(x))
+    if not concrete:
+        return local, x
+    offsets = np.arange(DEVICES, dtype=np.int32)[:, None] * _rows_per_device(scale)
+    # Placed as pmap will use them (indices split, input on every device), so that a real
+    # run measures the program rather than a staging copy made at call time.
+    mesh = _mesh()
+    inds = jax.device_put(local + offsets, NamedSharding(mesh, P("d")))
+    return inds, jax.device_put(x, NamedSharding(mesh, P()))
 
 
 def sharded_pmap_args(scale, params, concrete):
@@ -125,12 +134,13 @@ def sharded_pmap_args(scale, params, concrete):
     shape = (DEVICES, _rows_per_device(scale), scale["row"])
     if not concrete:
         return inds, jax.ShapeDtypeStruct(shape, jnp.float32)
-    return jnp.asarray(inds), jnp.asarray(_inputs(scale, True).reshape(shape))
+    sharding = NamedSharding(_mesh(), P("d"))
+    return jax.device_put(inds, sharding), jax.device_put(_inputs(scale, True).reshape(shape), sharding)
 
 
 def sharded_jit_args(scale, params, concrete):
     """(local indices, the whole input), both sharded over devices along their first axis."""
-    sharding = NamedSharding(jax.make_mesh((DEVICES,), ("d",)), P("d"))
+    sharding = NamedSharding(_mesh(), P("d"))
     inds, x = _local_indices(scale, params, concrete), _inputs(scale, concrete)
     if not concrete:
         return (
@@ -142,10 +152,10 @@ def sharded_jit_args(scale, params, concrete):
 
 def serial_args(scale, params, concrete):
     """One device's share of the work: its indices and the whole input."""
-    inds, x = replicated_args(scale, params, concrete)
     if not concrete:
+        inds, x = replicated_args(scale, params, False)
         return jax.ShapeDtypeStruct(inds.shape[1:], inds.dtype), x
-    return inds[0], x
+    return jnp.asarray(_local_indices(scale, params, True)[0]), jnp.asarray(_inputs(scale, True))
 
 
 def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:
