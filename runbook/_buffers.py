@@ -149,7 +149,7 @@ def parse_dump(directory: pathlib.Path) -> list[Buffer]:
             op, source = _describe(name, instructions, roots)
             opcode = instructions[name].opcode if name in instructions else ""
             buffers.append(Buffer(int(v[2]), v[3].split("{")[0], kind, f"{name} ({opcode})" if opcode else name, op, source))
-        elif line.startswith("Used values") or line.startswith("HloLiveRange"):
+        elif line.startswith(("Used values", "HloLiveRange")):
             break
     buffers.sort(key=lambda b: b.size, reverse=True)
     return buffers

@@ -150,7 +150,7 @@ class CaseResult:
         prov = Provenance(
             data["backend"], data["device_kind"], data["devices"], data["jax"],
             data["jaxlib"], data.get("machine", ""), data.get("generated", ""),
-        )  # fmt: skip
+        )
         reports = []
         for i, v in enumerate(data["variants"]):
             b = v["bytes"]
@@ -162,7 +162,7 @@ class CaseResult:
                     floor=None if v["lower_bound"] == default_floor else v["lower_bound"],
                     compile_seconds=v.get("compile_seconds", 0.0),
                     buffers=tuple(Buffer(**x) for x in (buffers or {}).get(str(i), ())),
-                )  # fmt: skip
+                )
             )
         return cls(data["case"], data["scale"], prov, tuple(reports), tuple(data.get("skipped", ())))
 
@@ -202,7 +202,7 @@ def measure_case(
             "runbook._case:_measure_json", devices=case.devices, name=name, scale=scale,
             buffers=buffers, variants=list(variants) if variants else None,
             compiler_options=None if compiler_options is None else dict(compiler_options),
-        )  # fmt: skip
+        )
         return CaseResult.from_json(data["result"], data["buffers"])
     size = case.scales[scale]
     options = case.options() if compiler_options is None else compiler_options
@@ -218,7 +218,7 @@ def measure_case(
             report = measure(
                 variant.program(params), *args, name=variant.name,
                 compiler_options=options, buffers=buffers,
-            )  # fmt: skip
+            )
             floor = case.floor(variant, size, params) if case.floor else None
             report = dataclasses.replace(report, role=variant.role, params=params, floor=floor)
             reports.append(report)
@@ -269,7 +269,7 @@ def _verify_json(name: str, scale: str) -> list[dict[str, Any]]:
             checks.append(
                 {"name": v.name, "params": dict(params), "max_rel_error": err,
                  "tolerance": case.tolerance, "same": err <= case.tolerance}
-            )  # fmt: skip
+            )
     return checks
 
 

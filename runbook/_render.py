@@ -61,7 +61,7 @@ def report_table(reports: Sequence[MemoryReport], caption: str | None = None) ->
         [r.name, r.role, _params(r), fmt_bytes(r.argument), fmt_bytes(r.temp), fmt_bytes(r.output),
          fmt_bytes(r.total), fmt_bytes(r.lower_bound), f"{r.overhead:.3f}x"]
         for r in reports
-    ]  # fmt: skip
+    ]
     if caption is None and reports:
         caption = f"Compile-time, per device. {reports[0].provenance.label()}."
     columns = ["variant", "role", "params", "argument", "temp", "output", "total", "lower bound", "total / bound"]
@@ -97,7 +97,7 @@ def plot_reports(
         ax.barh(names, widths, left=left, color=color, label=part)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.scatter([r.lower_bound / scale for r in reports], names, marker="|", s=400, color="black",
-               label="lower bound", zorder=3)  # fmt: skip
+               label="lower bound", zorder=3)
     ax.invert_yaxis()
     ax.set_xlabel(f"{unit} per device (compile time)")
     ax.legend(loc="lower right", fontsize="small")
@@ -146,7 +146,7 @@ def peak_table(peaks: Sequence[Any], *, reference: str | None = None, caption: s
     for p in peaks:
         row = [p.name, ", ".join(f"{k}={v}" for k, v in p.params.items()), fmt_bytes(p.predicted),
                fmt_bytes(p.measured), f"{p.ratio:.2f}", "yes" if p.agrees else "NO",
-               f"{p.seconds * 1e3:.1f} ms"]  # fmt: skip
+               f"{p.seconds * 1e3:.1f} ms"]
         if ref:
             row.append(f"{p.seconds / ref:.2f}x")
         rows.append(row)

@@ -9,6 +9,7 @@ all simulated devices together, so we divide by the device count for a per-devic
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -64,10 +65,8 @@ def _status(field: str) -> int:
 def _settle() -> int:
     """Return freed heap pages to the OS, then read the resident set."""
     gc.collect()
-    try:
+    with contextlib.suppress(OSError):  # not glibc: freed, cached pages may then count
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: the figure may then include freed, cached pages
-        pass
     return _status("VmRSS")
 
 
@@ -135,7 +134,7 @@ def _peak_json(
     return {
         "name": variant, "params": params, "predicted": int(predicted), "measured": int(measured),
         "seconds": min(times) if times else 0.0, "method": method, "compiler_options": options,
-    }  # fmt: skip
+    }
 
 
 def runtime_peak(
@@ -169,5 +168,5 @@ def runtime_peak(
     data = _subprocess.call(
         "runbook._runtime:_peak_json", devices=c.devices, name=case, variant=variant,
         scale=scale, params=params, options=None if compiler_options is None else dict(compiler_options), repeats=repeats,
-    )  # fmt: skip
+    )
     return RuntimePeak(**data)

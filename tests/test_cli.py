@@ -21,7 +21,8 @@ def run_json(capsys, *argv):
 def check_contract(data, case):
     assert data["case"] == case
     for key in ("backend", "jax", "jaxlib", "device_kind"):
-        assert isinstance(data[key], str) and data[key]
+        assert isinstance(data[key], str)
+        assert data[key]
     assert isinstance(data["devices"], int)
     assert data["variants"]
     for v in data["variants"]:
@@ -31,7 +32,8 @@ def check_contract(data, case):
         assert set(b) == {"argument", "output", "temp", "alias", "total"}
         assert all(isinstance(x, int) and x >= 0 for x in b.values())
         assert b["total"] == b["argument"] + b["output"] + b["temp"] - b["alias"]
-        assert isinstance(v["lower_bound"], int) and v["lower_bound"] > 0
+        assert isinstance(v["lower_bound"], int)
+        assert v["lower_bound"] > 0
     assert {v["role"] for v in data["variants"]} == ROLES
 
 
@@ -58,13 +60,16 @@ def test_pmap_loop_json_is_per_device_and_a_sweep(capsys):
 def test_list_names_every_case(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "gather-grad" in out and "pmap-loop" in out
+    assert "gather-grad" in out
+    assert "pmap-loop" in out
 
 
 def test_table_output_names_provenance(capsys):
     assert main(["run", "gather-grad", "--scale", "tiny", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "grad-chunked" in out and "jax" in out and "per device" in out
+    assert "grad-chunked" in out
+    assert "jax" in out
+    assert "per device" in out
 
 
 @pytest.mark.parametrize(

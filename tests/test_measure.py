@@ -58,7 +58,8 @@ def test_provenance_names_backend_and_versions():
     assert p.backend == jax.default_backend()
     assert p.jax == jax.__version__
     assert p.devices == jax.device_count()
-    assert p.jax in p.label() and p.backend.upper() in p.label()
+    assert p.jax in p.label()
+    assert p.backend.upper() in p.label()
 
 
 def test_json_has_integer_bytes():
@@ -104,11 +105,12 @@ def test_largest_buffer_is_the_materialised_intermediate():
     assert {b.kind for b in report.buffers} >= {"argument", "output"}
     assert any(b.size == N * 4 and b.kind == "argument" for b in report.buffers)
     sort = [b for b in report.buffers if "sort" in b.op]
-    assert sort and sort[0].source.startswith("tests/test_measure.py:")
+    assert sort
+    assert sort[0].source.startswith("tests/test_measure.py:")
 
 
 def test_xla_report_agrees_with_memory_analysis():
-    f = lambda a: jnp.outer(a, a).sum(0)  # noqa: E731
+    f = lambda a: jnp.outer(a, a).sum(0)
     report = runbook.measure(f, VEC)
     total = runbook.xla_usage_report_total(f, VEC)
     assert total is not None

@@ -45,7 +45,7 @@ def gather_points(x: jax.Array, idx: jax.Array) -> jax.Array:
     return lax.gather(
         x, idx, _POINTS, slice_sizes=(1, 1, 1),
         mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
-    )  # fmt: skip
+    )
 
 
 def loss_whole_index(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -154,7 +154,7 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"largest temporary: {fmt_bytes(copy.size) if copy else '-'} {copy.shape if copy else ''}"
         f" from {copy.op if copy else '-'} ({copy.source if copy else '-'}); idx itself is "
         f"{fmt_bytes(idx_bytes)}.",
-    ))  # fmt: skip
+    ))
 
     jax_made = "concatenate" in jax.jit(jax.grad(loss)).lower(*args32).as_text()
     out.append(Claim(
@@ -164,7 +164,7 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"({'present' if jax_made else 'absent'} in the lowered StableHLO): jnp indexing "
         "splits and re-joins the index; passing it whole to lax.gather removes the copy "
         f"({fmt_bytes(grad.temp)} -> {fmt_bytes(whole.temp)} temp).",
-    ))  # fmt: skip
+    ))
 
     copy16 = next((b for b in grad16.buffers if b.kind == "temp"), None)
     widened = copy16 is not None and copy16.shape.startswith("s32") and copy16.size == idx_bytes
@@ -173,21 +173,21 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         verdict(widened),
         f"int16 run: largest temporary {copy16.shape if copy16 else '-'}, "
         f"{fmt_bytes(copy16.size) if copy16 else '-'} (twice the int16 input).",
-    ))  # fmt: skip
+    ))
     ratio16 = grad16.total / fwd16.total
     out.append(Claim(
         "int16-fourfold", "With int16 indices the gradient needs four times the forward's memory.",
         verdict(abs(ratio16 - 4) < 0.2),
         f"int16: gradient {fmt_bytes(grad16.total)} / forward {fmt_bytes(fwd16.total)} = "
         f"{ratio16:.2f}x (int32: {grad.total / fwd.total:.2f}x).",
-    ))  # fmt: skip
+    ))
 
     out.append(Claim(
         "avoid-gather", "Avoid gather operations to save memory.",
         verdict(chunked.overhead > 1.05),
         f"the fixes keep the gather: grad-chunked reaches {chunked.overhead:.4f}x its lower "
         f"bound; grad-whole-index {whole.overhead:.3f}x.",
-    ))  # fmt: skip
+    ))
 
     manual = measure(manual_grad, *args32, name="manual")
     out.append(Claim(
@@ -195,7 +195,7 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         verdict(manual.total < 0.9 * grad.total),
         f"hand-written scatter-add: {fmt_bytes(manual.total)} vs jax.grad "
         f"{fmt_bytes(grad.total)}: jnp indexing of the scatter builds the same index copy.",
-    ))  # fmt: skip
+    ))
 
     remat = measure(jax.grad(jax.checkpoint(loss)), *args32, name="checkpoint")
     out.append(Claim(
@@ -204,7 +204,7 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"jax.grad(jax.checkpoint(loss)): {fmt_bytes(remat.total)} vs {fmt_bytes(grad.total)}: "
         "nothing is saved for the backward pass; the copy is made inside it. Chunking "
         f"(grad-chunked, no checkpoint needed) gives {fmt_bytes(chunked.total)}.",
-    ))  # fmt: skip
+    ))
 
     lowered = jax.jit(jax.grad(loss)).lower(*args32)
     flag_totals = []
@@ -212,7 +212,7 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         try:
             stats = lowered.compile(dict(flags)).memory_analysis()
             flag_totals.append((flags, stats.temp_size_in_bytes))
-        except Exception:  # an option this jaxlib does not know: not evidence either way
+        except Exception:  # noqa: BLE001, S112 - an option this jaxlib lacks proves nothing
             continue
     best = min((t for _, t in flag_totals), default=grad.temp)
     tried = "; ".join(f"{next(iter(f))}={next(iter(f.values()))}: {fmt_bytes(t)}" for f, t in flag_totals)
@@ -220,12 +220,12 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         "xla-flags", "XLA flags or disabled HLO passes can prevent the copy.",
         verdict(best < 0.9 * grad.temp, otherwise="not reproducible here"),
         f"temp with each option tried (default {fmt_bytes(grad.temp)}): {tried}.",
-    ))  # fmt: skip
+    ))
 
     out.append(Claim(
         "profiling", "Memory profiling identifies the operations responsible.",
         verdict(copied and bool(copy and copy.source)),
         "XLA's buffer assignment, read back by runbook.measure(..., buffers=True), names the "
         f"concatenate, its shape and the source line {copy.source if copy else '-'}.",
-    ))  # fmt: skip
+    ))
     return out

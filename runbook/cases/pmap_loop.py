@@ -183,7 +183,7 @@ def options() -> dict[str, Any]:
         return {}
     try:
         jax.jit(lambda a: a).lower(1.0).compile(dict(CPU_ACCOUNTING_OPTIONS))
-    except Exception:  # older jaxlib: no such option, and no such fusion
+    except Exception:  # noqa: BLE001 - older jaxlib: no such option, and no such fusion
         return {}
     return dict(CPU_ACCOUNTING_OPTIONS)
 
@@ -266,7 +266,7 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"per device, pmap-loop needs exactly what the single-device serial program needs at "
         f"every iteration count ({fmt_bytes(loop.total)} vs {fmt_bytes(serial.total)} at "
         f"{hi} iterations): each device runs one copy of the per-device program.",
-    ))  # fmt: skip
+    ))
     growth = at("pmap-loop", hi).temp / at("pmap-loop", lo).temp
     fori_flat = at("pmap-fori", hi).temp <= 1.01 * at("pmap-fori", lo).temp
     out.append(Claim(
@@ -276,7 +276,7 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"from {lo} to {hi} iterations in pmap-loop and identically in serial; the rolled "
         f"loop (pmap-fori) stays {'flat' if fori_flat else 'not flat'} "
         f"at {fmt_bytes(at('pmap-fori', hi).temp)}.",
-    ))  # fmt: skip
+    ))
     args = replicated_args(scale, {"iterations": hi}, False)
     unrolled = compile_fn(pmapped(loop_sum, _WIDTH), *args, compiler_options=options())
     rolled = compile_fn(pmapped(fori_sum, _WIDTH), *args, compiler_options=options())
@@ -288,14 +288,14 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"iterations (the Python loop is unrolled at trace time); pmap-fori holds {n_rolled}. "
         f"Compile time: {at('pmap-loop', hi).compile_seconds:.2f} s vs "
         f"{at('pmap-fori', hi).compile_seconds:.2f} s.",
-    ))  # fmt: skip
+    ))
     out.append(Claim(
         "fragmentation", "Memory fragmentation adds to the problem.",
         "not reproducible here",
         "the compile-time plan alone accounts for the growth (one live product per "
         "iteration); fragmentation is a property of a GPU allocator at run time, which a CPU "
         "build cannot show.",
-    ))  # fmt: skip
+    ))
     vm = at("pmap-vmap", hi)
     out.append(Claim(
         "vmap", "Replace the loop with jax.vmap.",
@@ -303,18 +303,18 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"vmap materialises every iteration's product at once: {fmt_bytes(vm.temp)} temp at "
         f"{hi} iterations vs {fmt_bytes(loop.temp)} for the loop and "
         f"{fmt_bytes(at('pmap-fori', hi).temp)} for lax.fori_loop.",
-    ))  # fmt: skip
+    ))
     static = measure(
         jax.jit(loop_sum, static_argnums=2), *serial_args(scale, {"iterations": hi}, False),
         _WIDTH, compiler_options=options(),
-    )  # fmt: skip
+    )
     out.append(Claim(
         "static-argnums", "jit with static_argnums compiles the loop body only once.",
         verdict(static.temp < 0.9 * serial.temp),
         f"jax.jit(loop_sum, static_argnums=2) still unrolls: {fmt_bytes(static.temp)} temp, "
         f"the same as the serial loop ({fmt_bytes(serial.temp)}). Only a rolled loop "
         "(lax.fori_loop / lax.scan / lax.map) compiles the body once.",
-    ))  # fmt: skip
+    ))
     rep, shd = at("pmap-loop", hi), at("pmap-sharded", hi)
     out.append(Claim(
         "shard-inputs", "The inputs are not partitioned across GPUs; shard them explicitly.",
@@ -323,12 +323,12 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"argument bytes per device); split by rows it is {fmt_bytes(shd.argument)}. "
         "(jax.tree_map, which the write-up names, places nothing: in_axes or a "
         "NamedSharding does.)",
-    ))  # fmt: skip
+    ))
     sm = at("shard_map-fori", hi) if result.select("shard_map-fori") else None
     pmap_sharded_fori = measure(
         pmapped(fori_sum, _WIDTH, sharded=True), *sharded_pmap_args(scale, {"iterations": hi}, False),
         compiler_options=options(),
-    )  # fmt: skip
+    )
     out.append(Claim(
         "manual", "Distribute the work manually instead of relying on pmap.",
         verdict(sm is not None and sm.total < 0.95 * pmap_sharded_fori.total),
@@ -336,7 +336,7 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         f"{fmt_bytes(pmap_sharded_fori.total)} per device; jit + shard_map needs "
         f"{fmt_bytes(sm.total) if sm else 'n/a'}. The memory comes from the loop and the "
         "replication, not from pmap itself.",
-    ))  # fmt: skip
+    ))
     return out
 
 
