@@ -6,6 +6,8 @@ from ._buffers import Buffer
 from ._case import Case, CaseResult, Variant, case_names, get_case, measure_case, verify
 from ._claims import Claim, claims_table
 from ._errors import RunbookError, UnknownNameError, WontFitError
+from ._gpu_evidence import GpuRecord, gpu_evidence, gpu_summary, gpu_table, per_device_note
+from ._history import History, ReleaseFigures, history, load_versions
 from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
 from ._provenance import Provenance
 from ._render import Table, buffer_table, fmt_bytes, plot_reports, plot_sweep, report_table
@@ -16,10 +18,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer",
     "Case",
-    "Claim",
     "CaseResult",
+    "Claim",
+    "GpuRecord",
+    "History",
     "MemoryReport",
     "Provenance",
+    "ReleaseFigures",
     "RunbookError",
     "RuntimePeak",
     "Table",
@@ -31,11 +36,17 @@ __all__ = [
     "case_names",
     "claims_table",
     "compile_fn",
-    "get_case",
     "fmt_bytes",
+    "get_case",
+    "gpu_evidence",
+    "gpu_summary",
+    "gpu_table",
+    "history",
     "largest_buffers",
+    "load_versions",
     "measure",
     "measure_case",
+    "per_device_note",
     "plot_reports",
     "plot_sweep",
     "report_table",
