@@ -6,8 +6,15 @@ from ._buffers import Buffer
 from ._case import Case, CaseResult, Variant, case_names, get_case, measure_case, verify
 from ._claims import Claim, claims_table
 from ._errors import RunbookError, UnknownNameError, WontFitError
-from ._gpu_evidence import GpuRecord, gpu_evidence, gpu_summary, gpu_table, per_device_note
-from ._history import History, ReleaseFigures, history, load_versions
+from ._gpu_evidence import (
+    GpuRecord,
+    gpu_evidence,
+    gpu_report,
+    gpu_summary,
+    gpu_table,
+    per_device_note,
+)
+from ._history import History, Note, ReleaseFigures, history, load_versions
 from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
 from ._provenance import Provenance
 from ._render import Table, buffer_table, fmt_bytes, plot_reports, plot_sweep, report_table
@@ -23,6 +30,7 @@ __all__ = [
     "GpuRecord",
     "History",
     "MemoryReport",
+    "Note",
     "Provenance",
     "ReleaseFigures",
     "RunbookError",
@@ -39,6 +47,7 @@ __all__ = [
     "fmt_bytes",
     "get_case",
     "gpu_evidence",
+    "gpu_report",
     "gpu_summary",
     "gpu_table",
     "history",

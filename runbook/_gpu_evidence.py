@@ -8,21 +8,14 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._case import CaseResult, get_case
-from ._history import DATA_DIR
+from ._case import CaseResult, get_case, measure_case
+from ._history import DATA_DIR, Note
 from ._render import Table, fmt_bytes
 
 HOW_TO_RECORD = (
     "To record it, run `nox -s gpu` on a machine whose Python has a CUDA build of JAX "
     '(`pip install "jax[cuda12]"`) and commit the file it writes to `docs/_data/gpu/`.'
 )
-
-
-class Note(str):
-    """A sentence that renders as Markdown in a notebook and prints as itself."""
-
-    def _repr_markdown_(self) -> str:
-        return str(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,3 +167,20 @@ def gpu_summary(case: str, *, data_dir: str | pathlib.Path | None = None) -> Not
         return Note(f"No GPU evidence has been recorded yet for `{case}`. {HOW_TO_RECORD}")
     kinds = "; ".join(r.label() for r in records)
     return Note(f"GPU evidence for `{case}` recorded on: {kinds}.")
+
+
+def gpu_report(case: str, *, data_dir: str | pathlib.Path | None = None) -> list[Note | Table]:
+    """Everything a case page shows about the GPU, in order, for ``display()`` one by one.
+
+    The summary sentence; then per GPU recorded, its table beside the CPU compile-time
+    figures at the same scale (measured now) and, where it had too few devices, what one
+    device's peak implies for all of them.
+    """
+    items: list[Note | Table] = [gpu_summary(case, data_dir=data_dir)]
+    for record in gpu_evidence(case, data_dir=data_dir) or []:
+        cpu = measure_case(case, record.scale) if record.scale else None
+        items.append(gpu_table(record, cpu))
+        note = per_device_note(record, cpu)
+        if note:
+            items.append(note)
+    return items

@@ -12,6 +12,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._case import CaseResult
 from ._errors import RunbookError
 from ._render import Table, _unit, fmt_bytes
 
@@ -19,6 +20,13 @@ DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "docs" / "_data"
 # The reproduction needing at least this many times the best fix's bytes counts as the
 # problem being present; both cases sit far above it wherever they reproduce.
 PROBLEM_RATIO = 1.25
+
+
+class Note(str):
+    """A sentence that renders as Markdown in a notebook and prints as itself."""
+
+    def _repr_markdown_(self) -> str:
+        return str(self)
 
 
 def release_key(version: str) -> tuple[int, ...]:
@@ -140,19 +148,25 @@ class History:
     def last(self) -> str:
         return self.releases[-1].jax
 
-    def statement(self) -> str:
-        """Since when the problem exists and whether a release fixed it, from the data."""
+    def statement(self) -> Note:
+        """Since when the problem exists and whether a release fixed it, from the data.
+
+        A `Note`: a string that a notebook cell renders as a sentence.
+        """
         measured = [r for r in self.releases if r.present is not None]
         unmeasured = [r.jax for r in self.releases if r.present is None]
         where = f"{self.case} ({_params_label(self.params)})"
         if not measured:
-            return f"{where}: no release measured both the reproduction and a fix."
+            return Note(f"{where}: no release measured both the reproduction and a fix.")
         present = [r.jax for r in measured if r.present]
         if not present:
             text = f"{where}: absent from every measured release, jax {measured[0].jax} to {measured[-1].jax}"
         elif measured[-1].present:
-            since = measured[0].jax if present[0] == measured[0].jax else present[0]
-            oldest = " (the oldest measured)" if since == measured[0].jax else ""
+            since, oldest = present[0], ""
+            if since == self.releases[0].jax:
+                oldest = " (the oldest release measured)"
+            elif since == measured[0].jax:
+                oldest = " (the first release that could compile both)"
             gaps = [
                 r.jax for r in measured if not r.present and release_key(r.jax) > release_key(since)
             ]
@@ -165,17 +179,27 @@ class History:
             text = f"{where}: present from jax {present[0]} to {last_present}; fixed in {fixed}"
         if unmeasured:
             text += f" (not measurable in {', '.join(unmeasured)}: see the table)"
-        return text + "."
+        return Note(text + ".")
 
-    def table(self) -> Table:
-        """Per release: the reproduction, the best fix it can run, and their ratio."""
+    def live(self, result: CaseResult) -> ReleaseFigures:
+        """This environment's figures (from `measure_case`) at the same grid point."""
+        p = result.provenance
+        chosen = result.select(**self.params)
+        return ReleaseFigures(
+            f"{p.jax} (this build)", p.jaxlib, p.date, {r.name: r.role for r in chosen},
+            {r.name: r.total for r in chosen}, {}, {r.name: r.compile_seconds for r in chosen},
+        )  # fmt: skip
+
+    def table(self, live: CaseResult | None = None) -> Table:
+        """Per release: the reproduction, the best fix it can run, and their ratio.
+
+        Args:
+            live: this environment's `measure_case` result, shown as a last row.
+        """
         rows = []
-        for r in self.releases:
-            repro = (
-                fmt_bytes(r.reproduction)
-                if r.reproduction is not None
-                else r.totals.get(r.reproduction_name, "-")
-            )
+        for r in [*self.releases, *([self.live(live)] if live else [])]:
+            repro = r.totals.get(r.reproduction_name, "-")
+            repro = fmt_bytes(repro) if isinstance(repro, int) else repro
             fix = f"{fmt_bytes(r.best_fix_bytes)} ({r.best_fix})" if r.best_fix else "none measured"
             ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
             verdict = {True: "present", False: "absent", None: "not measurable"}[r.present]
@@ -234,32 +258,36 @@ class History:
             for name, note in r.notes.items()
         ]
 
-    def plot(self, ax: Any = None, *, live: Mapping[str, int] | None = None, live_label: str = ""):
+    def plot(self, ax: Any = None, *, live: CaseResult | None = None):
         """Total bytes per release, one line per variant; `live` adds this build's figures."""
         import matplotlib.pyplot as plt
 
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 4.2))
-        every = [t for r in self.releases for t in r.totals.values() if isinstance(t, int)]
-        unit, scale = _unit(max([*every, *(live or {}).values()], default=1))
-        x = list(range(len(self.releases)))
+        columns = [*self.releases, *([self.live(live)] if live else [])]
+        every = [t for r in columns for t in r.totals.values() if isinstance(t, int)]
+        unit, scale = _unit(max(every, default=1))
         for name, role in self.releases[-1].roles.items():
-            points = [(i, r.totals.get(name)) for i, r in zip(x, self.releases, strict=True)]
-            got = [(i, t / scale) for i, t in points if isinstance(t, int)]
+            got = [
+                (i, r.totals[name] / scale)
+                for i, r in enumerate(self.releases)
+                if isinstance(r.totals.get(name), int)
+            ]
             if got:
                 width = 2.6 if role == "reproduction" else 1.2
-                ax.plot(*zip(*got, strict=True), marker="o", lw=width, label=f"{name} ({role})")
-        if live:
-            ax.scatter([len(x)] * len(live), [b / scale for b in live.values()], marker="*",
-                       s=90, color="black", zorder=3, label=live_label or "this build")  # fmt: skip
-        ax.set_xticks([*x, *([len(x)] if live else [])])
-        ax.set_xticklabels([r.jax for r in self.releases] + (["this build"] if live else []),
-                           rotation=45)  # fmt: skip
-        ax.set_xlabel("jax release")
+                line = ax.plot(
+                    *zip(*got, strict=True), marker="o", lw=width, label=f"{name} ({role})"
+                )
+                if live and isinstance(columns[-1].totals.get(name), int):
+                    ax.scatter([len(self.releases)], [columns[-1].totals[name] / scale],
+                               marker="*", s=110, color=line[0].get_color(), zorder=3)  # fmt: skip
+        ax.set_xticks(range(len(columns)))
+        ax.set_xticklabels([r.jax.replace(" (this build)", "\n(this build)") for r in columns],
+                           rotation=45, fontsize="small")  # fmt: skip
+        ax.set_xlabel("jax release (stars: measured during this build)" if live else "jax release")
         ax.set_ylabel(f"{unit} per device (compile time)")
-        ax.set_title(
-            f"{self.case} ({_params_label(self.params)})\n{self.provenance}", fontsize="medium"
-        )
+        title = f"{self.case} ({_params_label(self.params)})\n{self.provenance}"
+        ax.set_title(title, fontsize="small")
         ax.legend(fontsize="x-small", loc="best")
         ax.figure.tight_layout()
         return ax

@@ -65,7 +65,9 @@ def test_missing_api_is_not_applicable_and_nothing_runs(fake):
 def test_missing_keyword_is_not_applicable():
     case = _fake_case(
         Variant("a", "fix", "", lambda p: lambda x: jnp.sin(x), since="jax.lax.map(batch_size=)"),
-        Variant("b", "fix", "", lambda p: lambda x: jnp.sin(x), since="jax.lax.map(no_such_keyword=)"),
+        Variant(
+            "b", "fix", "", lambda p: lambda x: jnp.sin(x), since="jax.lax.map(no_such_keyword=)"
+        ),
     )
     assert case.available(case.variants[0])
     assert not case.available(case.variants[1])
@@ -182,7 +184,7 @@ def _history(tmp_path, *releases):
 def test_statement_present_everywhere(tmp_path):
     h = _history(tmp_path, _release("0.10.0", 300, 100), _release("0.9.0", 300, 100))
     assert [r.jax for r in h.releases] == ["0.9.0", "0.10.0"]
-    assert "present in jax 0.9.0 (the oldest measured)" in h.statement()
+    assert "present in jax 0.9.0 (the oldest release measured)" in h.statement()
     assert "no release fixed it" in h.statement()
 
 
@@ -195,6 +197,12 @@ def test_statement_fixed_and_unmeasurable(tmp_path):
     assert "present from jax 0.5.0 to 0.5.0; fixed in 0.6.0" in h.statement()
     assert "not measurable in 0.4.30" in h.statement()
     assert "failed" in str(h.table())
+
+
+def test_statement_since_the_first_release_that_compiles(tmp_path):
+    h = _history(tmp_path, _release("0.5.0", "failed", 100), _release("0.6.0", 300, 100))
+    assert "present in jax 0.6.0 (the first release that could compile both)" in h.statement()
+    assert h.statement().endswith("no release fixed it (not measurable in 0.5.0: see the table).")
 
 
 def test_statement_absent(tmp_path):
