@@ -263,24 +263,35 @@ class History:
         import matplotlib.pyplot as plt
 
         if ax is None:
-            _, ax = plt.subplots(figsize=(8, 4.2))
+            _, ax = plt.subplots(figsize=(9.5, 4.2))
         columns = [*self.releases, *([self.live(live)] if live else [])]
         every = [t for r in columns for t in r.totals.values() if isinstance(t, int)]
         unit, scale = _unit(max(every, default=1))
+        failed: list[tuple[int, str]] = []  # (release index, color): could not compile
         for name, role in self.releases[-1].roles.items():
             got = [
                 (i, r.totals[name] / scale)
                 for i, r in enumerate(self.releases)
                 if isinstance(r.totals.get(name), int)
             ]
+            width = 2.6 if role == "reproduction" else 1.2
             if got:
-                width = 2.6 if role == "reproduction" else 1.2
                 line = ax.plot(
                     *zip(*got, strict=True), marker="o", lw=width, label=f"{name} ({role})"
                 )
-                if live and isinstance(columns[-1].totals.get(name), int):
-                    ax.scatter([len(self.releases)], [columns[-1].totals[name] / scale],
-                               marker="*", s=110, color=line[0].get_color(), zorder=3)  # fmt: skip
+            else:
+                line = ax.plot([], [], marker="o", lw=width, label=f"{name} ({role})")
+            color = line[0].get_color()
+            failed += [(i, color) for i, r in enumerate(self.releases)
+                       if r.totals.get(name) in ("failed", "timeout")]  # fmt: skip
+            if live and isinstance(columns[-1].totals.get(name), int):
+                ax.scatter([len(self.releases)], [columns[-1].totals[name] / scale],
+                           marker="*", s=110, color=color, zorder=3)  # fmt: skip
+        if failed:
+            ax.set_ylim(bottom=0)
+            ax.scatter([i for i, _ in failed], [0] * len(failed), marker="x", s=60, zorder=3,
+                       color=[c for _, c in failed], clip_on=False,
+                       label="x: failed or timed out")  # fmt: skip
         ax.set_xticks(range(len(columns)))
         ax.set_xticklabels([r.jax.replace(" (this build)", "\n(this build)") for r in columns],
                            rotation=45, fontsize="small")  # fmt: skip
@@ -288,7 +299,7 @@ class History:
         ax.set_ylabel(f"{unit} per device (compile time)")
         title = f"{self.case} ({_params_label(self.params)})\n{self.provenance}"
         ax.set_title(title, fontsize="small")
-        ax.legend(fontsize="x-small", loc="best")
+        ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.figure.tight_layout()
         return ax
 
