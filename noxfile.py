@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+import runpy
 import shutil
 from pathlib import Path
 
@@ -44,3 +46,34 @@ def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+def _releases() -> tuple[str, ...]:
+    # The one list lives in the package; read it without importing JAX into nox's Python.
+    return tuple(runpy.run_path(str(ROOT / "runbook" / "_releases.py"))["RELEASES"])
+
+
+@nox.session(default=False)
+@nox.parametrize("release", _releases(), ids=_releases())
+def versions(session: nox.Session, release: str) -> None:
+    """Measure every case in a fresh environment per JAX release (`-- --time-limit 120`).
+
+    Writes docs/_data/versions/<release>.json; `nox -s "versions(0.4.30)"` runs one release.
+    """
+    session.install(f"jax=={release}", f"jaxlib=={release}", "numpy")
+    session.install("--no-deps", "-e.")  # matplotlib is only needed to plot, not to measure
+    out = ROOT / "docs" / "_data" / "versions" / f"{release}.json"
+    session.run("python", "-m", "runbook._matrix", "--out", str(out), *session.posargs)
+
+
+@nox.session(default=False, venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """Real peaks on this machine's GPU, with the Python on PATH (a CUDA build of JAX).
+
+    Writes docs/_data/gpu/<device-kind>.json. Needs no network: nothing is installed.
+    """
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    session.run(
+        "python", "-m", "runbook._gpu", "--out-dir", str(ROOT / "docs" / "_data" / "gpu"),
+        *session.posargs, env={"PYTHONPATH": path},
+    )  # fmt: skip

@@ -6,6 +6,15 @@ from ._buffers import Buffer
 from ._case import Case, CaseResult, Variant, case_names, get_case, measure_case, verify
 from ._claims import Claim, claims_table
 from ._errors import RunbookError, UnknownNameError, WontFitError
+from ._gpu_evidence import (
+    GpuRecord,
+    gpu_evidence,
+    gpu_report,
+    gpu_summary,
+    gpu_table,
+    per_device_note,
+)
+from ._history import History, Note, ReleaseFigures, history, load_versions
 from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
 from ._provenance import Provenance
 from ._render import (
@@ -26,8 +35,12 @@ __all__ = [
     "Case",
     "CaseResult",
     "Claim",
+    "GpuRecord",
+    "History",
     "MemoryReport",
+    "Note",
     "Provenance",
+    "ReleaseFigures",
     "RunbookError",
     "RuntimePeak",
     "Table",
@@ -42,10 +55,17 @@ __all__ = [
     "compile_fn",
     "fmt_bytes",
     "get_case",
+    "gpu_evidence",
+    "gpu_report",
+    "gpu_summary",
+    "gpu_table",
+    "history",
     "largest_buffers",
+    "load_versions",
     "measure",
     "measure_case",
     "peak_table",
+    "per_device_note",
     "plot_reports",
     "plot_sweep",
     "report_table",

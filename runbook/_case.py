@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,13 +80,20 @@ class Case:
         return self.scales[name]
 
     def available(self, variant: Variant) -> bool:
-        """False when this JAX lacks an API the variant needs."""
+        """False when this JAX lacks an API the variant needs.
+
+        `since` names an attribute path ("jax.shard_map") or a keyword argument of one
+        ("jax.lax.map(batch_size=)").
+        """
         if not variant.since:
             return True
-        obj: Any = importlib.import_module(variant.since.split(".")[0])
-        for part in variant.since.split(".")[1:]:
+        path, _, keyword = variant.since.partition("(")
+        obj: Any = importlib.import_module(path.split(".")[0])
+        for part in path.split(".")[1:]:
             obj = getattr(obj, part, None)
-        return obj is not None
+        if obj is None or not keyword:
+            return obj is not None
+        return keyword.rstrip("=)") in inspect.signature(obj).parameters
 
 
 _CASES = {"gather-grad": "runbook.cases.gather_grad", "pmap-loop": "runbook.cases.pmap_loop"}

@@ -217,7 +217,7 @@ CASE = Case(
         ),
         Variant(
             "pmap-map", "fix", "pmap, whole input replicated, lax.map(batch_size=4)",
-            lambda p: pmapped(map_sum, _WIDTH),
+            lambda p: pmapped(map_sum, _WIDTH), since="jax.lax.map(batch_size=)",
         ),
         Variant(
             "pmap-vmap", "fix", "pmap, whole input replicated, jax.vmap over iterations",

@@ -1,0 +1,207 @@
+"""The version matrix: every case's programs compiled in one JAX release, each in its own process.
+
+``nox -s versions`` makes an environment per release and runs, inside it::
+
+    python -m runbook._matrix --out docs/_data/versions/0.4.30.json
+
+A program that cannot be measured there is recorded, not raised: ``not applicable`` (this
+JAX lacks an API the variant needs), ``failed`` (tracing or XLA rejected it; the reason is
+kept), ``timeout`` (its compile ran past the limit and was killed: some releases take many
+minutes on an unrolled loop) or ``not attempted`` (an earlier, smaller point of the same
+variant timed out, so this one would too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import __version__, _subprocess
+from ._case import Case, Variant, case_names, get_case
+from ._errors import RunbookError
+from ._measure import measure
+from ._provenance import Provenance
+
+STATUSES = ("ok", "not applicable", "failed", "timeout", "not attempted")
+# Seconds one program may take to compile (process start and JAX import included).
+TIME_LIMIT = 240.0
+
+
+def host() -> dict[str, Any]:
+    """The machine: CPU model, cores and memory, which the compile times depend on."""
+    cpu = platform.processor() or platform.machine()
+    memory = 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+        with open("/proc/meminfo") as f:
+            memory = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal"))
+    except (OSError, StopIteration):  # not Linux: the platform module's answer will do
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory}
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """The first non-empty line of `text`, cut to `limit` characters."""
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    # XLA appends the whole offending HLO instruction; the sentence before it is the reason.
+    line = line.split(" This error occurred for ")[0]
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _measure_point(name: str, variant: str, scale: str, params: dict[str, Any]) -> dict[str, Any]:
+    """In the child: compile one program, return its CLI-shaped entry or the failure."""
+    case = get_case(name)
+    v = case.variant(variant)
+    size = case.scale(scale)
+    provenance = dataclasses.asdict(Provenance.current())
+    try:
+        args = case.inputs(v, size, params, False)
+        report = measure(v.program(params), *args, name=v.name, compiler_options=case.options())
+    except Exception as e:  # noqa: BLE001 (any rejection by this release is data, not a crash)
+        reason = f"{type(e).__name__}: {e}" if not isinstance(e, RunbookError) else str(e)
+        return {"status": "failed", "reason": one_line(reason), "provenance": provenance}
+    floor = case.floor(v, size, params) if case.floor else None
+    report = dataclasses.replace(report, role=v.role, params=params, floor=floor)
+    return {"status": "ok", "entry": report.to_json(), "provenance": provenance}
+
+
+def _unmeasured(v: Variant, params: dict[str, Any], status: str, reason: str, seconds=None):
+    return {"name": v.name, "role": v.role, "params": params, "status": status,
+            "reason": reason, "seconds": seconds}  # fmt: skip
+
+
+def measure_point(
+    case: Case, variant: Variant, scale: str, params: dict[str, Any], *, time_limit: float
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Compile one program in a fresh process; return (entry, the child's provenance or None).
+
+    The entry is the CLI's variant object plus ``"status": "ok"``, or an unmeasured entry
+    with the status and the reason.
+    """
+    start = time.perf_counter()
+    try:
+        reply = _subprocess.call(
+            "runbook._matrix:_measure_point", devices=case.devices, timeout=time_limit,
+            name=case.name, variant=variant.name, scale=scale, params=params,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        reason = f"did not compile within the {time_limit:g} s limit"
+        return _unmeasured(variant, params, "timeout", reason, round(time_limit, 3)), None
+    except RunbookError as e:  # the child died (a crash, out of memory): its last words
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else "no output"
+        seconds = round(time.perf_counter() - start, 3)
+        return _unmeasured(variant, params, "failed", one_line(last), seconds), None
+    if reply["status"] == "ok":
+        return {**reply["entry"], "status": "ok"}, reply["provenance"]
+    seconds = round(time.perf_counter() - start, 3)
+    return _unmeasured(variant, params, "failed", reply["reason"], seconds), reply["provenance"]
+
+
+def run_case(
+    name: str,
+    scale: str = "seed",
+    *,
+    time_limit: float = TIME_LIMIT,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Every variant and grid point of case `name`, in the shape of ``python -m runbook run --json``.
+
+    ``variants`` holds the measured programs (each with ``"status": "ok"``); ``skipped``
+    holds every other one with its status and reason.
+    """
+    case = get_case(name)
+    size = case.scale(scale)
+    measured, skipped, provenance = [], [], None
+    for variant in case.variants:
+        timed_out = False
+        for params in case.grid(size):
+            if not case.available(variant):
+                entry = _unmeasured(variant, params, "not applicable", f"needs {variant.since}")
+            elif timed_out:
+                reason = "an earlier point of this variant timed out"
+                entry = _unmeasured(variant, params, "not attempted", reason)
+            else:
+                entry, child = measure_point(case, variant, scale, params, time_limit=time_limit)
+                provenance = provenance or child
+                timed_out = entry["status"] == "timeout"
+            (measured if entry["status"] == "ok" else skipped).append(entry)
+            if progress:
+                got = (
+                    f"{entry['bytes']['total']:,} bytes"
+                    if entry["status"] == "ok"
+                    else entry["status"]
+                )
+                progress(f"{name} {variant.name} {params}: {got}")
+    if provenance is None:  # no child answered: describe the devices the children would have had
+        provenance = dataclasses.asdict(Provenance.current()) | {"devices": case.devices}
+    return {
+        "case": name, "scale": scale, "backend": provenance["backend"], "jax": provenance["jax"],
+        "jaxlib": provenance["jaxlib"], "device_kind": provenance["device_kind"],
+        "devices": provenance["devices"], "machine": provenance["machine"],
+        "generated": provenance["date"], "variants": measured, "skipped": skipped,
+    }  # fmt: skip
+
+
+def run_matrix(
+    cases: Sequence[str] | None = None,
+    *,
+    scale: str = "seed",
+    time_limit: float = TIME_LIMIT,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Every case in this JAX release: provenance at the top level, then ``cases``."""
+    start = time.perf_counter()
+    results = {
+        name: run_case(name, scale, time_limit=time_limit, progress=progress)
+        for name in (cases or case_names())
+    }
+    p = Provenance.current()
+    return {
+        "jax": p.jax, "jaxlib": p.jaxlib, "backend": p.backend, "device_kind": p.device_kind,
+        "generated": p.date, "machine": p.machine, "host": host(), "runbook": __version__,
+        "scale": scale, "time_limit_seconds": time_limit,
+        "elapsed_seconds": round(time.perf_counter() - start, 1), "cases": results,
+    }  # fmt: skip
+
+
+def write_json(data: dict[str, Any], path: str | os.PathLike[str]) -> pathlib.Path:
+    """Write `data` as indented JSON (parent folders made); return the path."""
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runbook._matrix", description=__doc__)
+    parser.add_argument("--out", required=True, help="the JSON file to write")
+    parser.add_argument("--scale", default="seed")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds per program")
+    parser.add_argument("--case", action="append", help="only this case (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        data = run_matrix(
+            args.case, scale=args.scale, time_limit=args.time_limit,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )  # fmt: skip
+    except RunbookError as e:
+        print(f"runbook: error: {e}", file=sys.stderr)
+        return 2
+    print(write_json(data, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

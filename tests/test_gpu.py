@@ -1,0 +1,101 @@
+"""GPU evidence: the scale choice, the writer and the loader, checked on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import runbook
+from runbook import _gpu
+from runbook._errors import RunbookError
+
+GIB = 2**30
+
+
+def test_choose_scale_takes_the_largest_that_fits():
+    predictions = {"seed": 224 * GIB, "small": 2 * GIB, "tiny": GIB // 1000}
+    scale, reason = _gpu.choose_scale(predictions, 80 * GIB, safety=0.7)
+    assert scale == "small"
+    assert "too large: seed" in reason
+
+
+def test_choose_scale_respects_the_safety_margin():
+    predictions = {"seed": 60 * GIB, "small": 50 * GIB}
+    assert _gpu.choose_scale(predictions, 80 * GIB, safety=0.7)[0] == "small"  # 56 GiB allowed
+    assert _gpu.choose_scale(predictions, 80 * GIB, safety=0.8)[0] == "seed"  # 64 GiB allowed
+
+
+def test_choose_scale_refuses_when_nothing_fits():
+    scale, reason = _gpu.choose_scale({"seed": 100 * GIB, "small": 40 * GIB, "x": None}, 16 * GIB)
+    assert scale is None
+    assert reason.startswith("no scale fits: the smallest scale needs 42,949,672,960 bytes")
+
+
+def test_slug_is_a_file_name():
+    assert _gpu.slug("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert _gpu.slug("Tesla V100-SXM2-16GB") == "Tesla-V100-SXM2-16GB"
+
+
+def test_collect_refuses_a_cpu_backend():
+    with pytest.raises(RunbookError, match="no GPU"):
+        _gpu.collect(["gather-grad"])
+
+
+def test_committed_gpu_files_are_real_gpu_runs():
+    for record in runbook.gpu_evidence("gather-grad") or []:
+        assert record.device_kind != "cpu"
+        assert record.bytes_limit > 0
+
+
+def test_no_evidence_says_so_in_plain_words(tmp_path):
+    assert runbook.gpu_evidence("pmap-loop", data_dir=tmp_path) is None
+    note = runbook.gpu_summary("pmap-loop", data_dir=tmp_path)
+    assert note.startswith("No GPU evidence has been recorded yet for `pmap-loop`")
+    assert "nox -s gpu" in note._repr_markdown_()
+    with pytest.raises(RunbookError, match="unknown case"):
+        runbook.gpu_evidence("no-such-case", data_dir=tmp_path)
+
+
+def _record(runtime, devices_present=1):
+    case = {"case": "pmap-loop", "devices_needed": 4, "devices_present": devices_present,
+            "scale": "small", "scale_reason": "it fits", "compile_time": {}, "runtime": runtime}  # fmt: skip
+    return {"device_kind": "Test GPU", "devices": devices_present, "bytes_limit": 16 * GIB,
+            "driver": "555.1", "platform_version": "cuda 12", "jax": "0.10.2", "jaxlib": "0.10.2",
+            "generated": "2026-01-01", "cases": {"pmap-loop": case}}  # fmt: skip
+
+
+def test_loader_and_renderers(tmp_path):
+    serial = {"name": "serial", "role": "baseline", "params": {"iterations": 1}, "status": "ok",
+              "predicted": 100 * 2**20, "measured": 110 * 2**20, "ratio": 1.1, "agrees": True}  # fmt: skip
+    refused = {"name": "pmap-loop", "role": "reproduction", "params": {"iterations": 1},
+               "status": "won't fit", "reason": "refusing"}  # fmt: skip
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "Test-GPU.json").write_text(json.dumps(_record([serial, refused])))
+    [record] = runbook.gpu_evidence("pmap-loop", data_dir=tmp_path)
+    assert runbook.gpu_evidence("gather-grad", data_dir=tmp_path) is None
+    assert "Test GPU x1, driver 555.1, cuda 12" in record.label()
+    table = str(runbook.gpu_table(record))
+    assert "110.00 MiB" in table
+    assert "1.10x" in table
+    assert "won't fit: refusing" in table
+    cpu = runbook.measure_case("pmap-loop", "tiny")  # serial and pmap-loop: same per device
+    note = runbook.per_device_note(record, cpu)
+    assert "each of their 4 devices would hold about 110.00 MiB, 440.00 MiB in all" in note
+    assert "pmap-loop" in note.split("same bytes per device as")[1]
+
+
+@pytest.mark.slow
+def test_pipeline_end_to_end_on_cpu(tmp_path):
+    # Not GPU evidence: the same code path, on the CPU backend, into a temporary folder.
+    data = _gpu.collect(["gather-grad"], scales=["tiny"], allow_cpu=True)
+    out = _gpu._matrix.write_json(data, tmp_path / "gpu" / f"{_gpu.slug(data['device_kind'])}.json")
+    [record] = runbook.gpu_evidence("gather-grad", data_dir=tmp_path)
+    assert out.exists()
+    assert record.scale == "tiny"
+    assert {p["status"] for p in record.runtime} == {"ok"}
+    for peak in record.runtime:
+        assert peak["predicted"] == next(
+            v["bytes"]["total"] for v in record.compile_time["tiny"]["variants"]
+            if v["name"] == peak["name"] and v["params"] == peak["params"]
+        )  # fmt: skip
