@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 project = "JAX Memory Runbook"
 author = "JAX Memory Runbook developers"
@@ -38,4 +37,3 @@ html_theme_options = {
 }
 copybutton_exclude = ".linenos, .gp, .go"
 
-os.environ.setdefault("MPLBACKEND", "Agg")
