@@ -100,7 +100,7 @@ def plot_reports(
                label="lower bound", zorder=3)
     ax.invert_yaxis()
     ax.set_xlabel(f"{unit} per device (compile time)")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize="small", frameon=False)
     prov = reports[0].provenance.label()
     ax.set_title(f"{title}\n{prov}" if title else prov, fontsize="medium")
     ax.figure.tight_layout()
@@ -116,9 +116,12 @@ def plot_sweep(
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     unit, scale = _unit(max(getattr(r, part) for r in reports) or 1)
-    for name in dict.fromkeys(r.name for r in reports):
+    styles = ("-", "--", ":", "-.")
+    for i, name in enumerate(dict.fromkeys(r.name for r in reports)):
         points = sorted((r.params[x], getattr(r, part) / scale) for r in reports if r.name == name)
-        ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        # Identical variants draw on top of each other: vary style and size so both show.
+        ax.plot(*zip(*points, strict=True), marker="o", markersize=9 - i, linestyle=styles[i % 4],
+                linewidth=2.4 - 0.2 * i, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel(x)
     ax.set_ylabel(f"{part} {unit} per device (compile time)")
