@@ -78,6 +78,12 @@ def _lowerable(fn: Callable[..., Any]) -> Any:
     return fn if hasattr(fn, "lower") else jax.jit(fn)
 
 
+def _first_line(error: Exception, limit: int = 200) -> str:
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def compile_fn(
     fn: Callable[..., Any],
     *args: Any,
@@ -88,17 +94,18 @@ def compile_fn(
     name = getattr(fn, "__name__", type(fn).__name__)
     try:
         lowered = lowerable.lower(*args)
-    except (jax.errors.JAXTypeError, jax.errors.ConcretizationTypeError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except jax.errors.ConcretizationTypeError as e:  # also covers bool() of a tracer
         raise RunbookError(
-            f"could not trace `{name}`: {first}. Likely cause: Python control flow or a "
-            "NumPy call on a traced value; use lax.cond/lax.fori_loop or mark the argument "
-            "static."
+            f"could not trace `{name}`: {_first_line(e)}. Likely cause: Python control flow "
+            "or a NumPy call on a traced value; use lax.cond/lax.fori_loop or mark the "
+            "argument static."
         ) from e
+    except (TypeError, ValueError) as e:  # shape and type errors found while tracing
+        raise RunbookError(f"could not trace `{name}`: {_first_line(e, 300)}") from e
     try:
         return lowered.compile(dict(compiler_options or {}))
     except Exception as e:  # XLA reports bad options and failed compiles as plain errors
-        raise RunbookError(f"XLA could not compile `{name}`: {str(e).splitlines()[0]}") from e
+        raise RunbookError(f"XLA could not compile `{name}`: {_first_line(e, 300)}") from e
 
 
 def measure(

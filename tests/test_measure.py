@@ -115,3 +115,9 @@ def test_xla_report_agrees_with_memory_analysis():
     total = runbook.xla_usage_report_total(f, VEC)
     assert total is not None
     assert total == pytest.approx(report.total, rel=0.01)
+
+
+def test_shape_error_is_reported_without_a_misleading_hint():
+    with pytest.raises(runbook.RunbookError, match="could not trace .*contracting dimensions") as info:
+        runbook.measure(lambda a: a @ jnp.ones((3, 3)), jax.ShapeDtypeStruct((4, 4), jnp.float32))
+    assert "control flow" not in str(info.value)
