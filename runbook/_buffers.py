@@ -134,9 +134,7 @@ def parse_dump(directory: pathlib.Path) -> list[Buffer]:
         return []
     # The last module compiled is the program itself (earlier ones can be small helpers).
     assignment = max(assignments, key=lambda p: p.stat().st_size)
-    hlo_path = assignment.with_name(
-        assignment.name.replace("-buffer-assignment.txt", ".txt")
-    )
+    hlo_path = assignment.with_name(assignment.name.replace("-buffer-assignment.txt", ".txt"))
     hlo = hlo_path.read_text() if hlo_path.exists() else ""
     instructions, roots = _parse_hlo(hlo)
     buffers = []
@@ -148,7 +146,16 @@ def parse_dump(directory: pathlib.Path) -> list[Buffer]:
             name = v[1]
             op, source = _describe(name, instructions, roots)
             opcode = instructions[name].opcode if name in instructions else ""
-            buffers.append(Buffer(int(v[2]), v[3].split("{")[0], kind, f"{name} ({opcode})" if opcode else name, op, source))
+            buffers.append(
+                Buffer(
+                    int(v[2]),
+                    v[3].split("{")[0],
+                    kind,
+                    f"{name} ({opcode})" if opcode else name,
+                    op,
+                    source,
+                )
+            )
         elif line.startswith(("Used values", "HloLiveRange")):
             break
     buffers.sort(key=lambda b: b.size, reverse=True)

@@ -156,8 +156,13 @@ class CaseResult:
     @classmethod
     def from_json(cls, data: Mapping[str, Any], buffers: Mapping[str, Any] | None = None):
         prov = Provenance(
-            data["backend"], data["device_kind"], data["devices"], data["jax"],
-            data["jaxlib"], data.get("machine", ""), data.get("generated", ""),
+            data["backend"],
+            data["device_kind"],
+            data["devices"],
+            data["jax"],
+            data["jaxlib"],
+            data.get("machine", ""),
+            data.get("generated", ""),
         )
         reports = []
         for i, v in enumerate(data["variants"]):
@@ -165,14 +170,22 @@ class CaseResult:
             default_floor = b["argument"] + b["output"] - b["alias"]
             reports.append(
                 MemoryReport(
-                    v["name"], b["argument"], b["output"], b["temp"], b["alias"], prov,
-                    role=v["role"], params=v["params"],
+                    v["name"],
+                    b["argument"],
+                    b["output"],
+                    b["temp"],
+                    b["alias"],
+                    prov,
+                    role=v["role"],
+                    params=v["params"],
                     floor=None if v["lower_bound"] == default_floor else v["lower_bound"],
                     compile_seconds=v.get("compile_seconds", 0.0),
                     buffers=tuple(Buffer(**x) for x in (buffers or {}).get(str(i), ())),
                 )
             )
-        return cls(data["case"], data["scale"], prov, tuple(reports), tuple(data.get("skipped", ())))
+        return cls(
+            data["case"], data["scale"], prov, tuple(reports), tuple(data.get("skipped", ()))
+        )
 
 
 def _needs_child(case: Case) -> bool:
@@ -207,8 +220,12 @@ def measure_case(
         case.variant(v)
     if _needs_child(case):
         data = _subprocess.call(
-            "runbook._case:_measure_json", devices=case.devices, name=name, scale=scale,
-            buffers=buffers, variants=list(variants) if variants else None,
+            "runbook._case:_measure_json",
+            devices=case.devices,
+            name=name,
+            scale=scale,
+            buffers=buffers,
+            variants=list(variants) if variants else None,
             compiler_options=None if compiler_options is None else dict(compiler_options),
         )
         return CaseResult.from_json(data["result"], data["buffers"])
@@ -224,8 +241,11 @@ def measure_case(
         for params in case.grid(size):
             args = case.inputs(variant, size, params, False)
             report = measure(
-                variant.program(params), *args, name=variant.name,
-                compiler_options=options, buffers=buffers,
+                variant.program(params),
+                *args,
+                name=variant.name,
+                compiler_options=options,
+                buffers=buffers,
             )
             floor = case.floor(variant, size, params) if case.floor else None
             report = dataclasses.replace(report, role=variant.role, params=params, floor=floor)
@@ -275,8 +295,13 @@ def _verify_json(name: str, scale: str) -> list[dict[str, Any]]:
             )
             err = max(jax.tree_util.tree_leaves(diffs))
             checks.append(
-                {"name": v.name, "params": dict(params), "max_rel_error": err,
-                 "tolerance": case.tolerance, "same": err <= case.tolerance}
+                {
+                    "name": v.name,
+                    "params": dict(params),
+                    "max_rel_error": err,
+                    "tolerance": case.tolerance,
+                    "same": err <= case.tolerance,
+                }
             )
     return checks
 
@@ -291,5 +316,7 @@ def verify(name: str, scale: str | None = None) -> list[dict[str, Any]]:
     scale = scale or case.runnable_scale
     case.scale(scale)
     if _needs_child(case):
-        return _subprocess.call("runbook._case:_verify_json", devices=case.devices, name=name, scale=scale)
+        return _subprocess.call(
+            "runbook._case:_verify_json", devices=case.devices, name=name, scale=scale
+        )
     return _verify_json(name, scale)

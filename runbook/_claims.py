@@ -31,4 +31,6 @@ def verdict(condition: bool, *, then: str = "confirmed", otherwise: str = "refut
 
 def claims_table(claims: Sequence[Claim], caption: str = "") -> Table:
     rows = [[c.claim, c.verdict.upper(), c.evidence] for c in claims]
-    return Table(["claim in the write-up", "verdict", "evidence (measured at build time)"], rows, caption)
+    return Table(
+        ["claim in the write-up", "verdict", "evidence (measured at build time)"], rows, caption
+    )

@@ -23,7 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list the cases")
     run = sub.add_parser("run", help="measure every variant of a case")
     run.add_argument("case", help=f"one of: {', '.join(case_names())}")
-    run.add_argument("--scale", default="seed", help="seed (default, abstract shapes) or a smaller one")
+    run.add_argument(
+        "--scale", default="seed", help="seed (default, abstract shapes) or a smaller one"
+    )
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
@@ -37,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 case = get_case(name)
                 print(f"{name:<12} {case.symptom} (scales: {', '.join(case.scales)})")
             return 0
+
         def progress(line: str) -> None:
             if not args.quiet:
                 print(line, file=sys.stderr, flush=True)

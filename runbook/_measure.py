@@ -160,7 +160,9 @@ def measure(
     )
 
 
-def largest_buffers(report: MemoryReport, count: int = 5, *, kind: str | None = None) -> list[Buffer]:
+def largest_buffers(
+    report: MemoryReport, count: int = 5, *, kind: str | None = None
+) -> list[Buffer]:
     """The `count` largest buffers of a report made with ``buffers=True``.
 
     Args:

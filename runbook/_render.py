@@ -35,7 +35,9 @@ class Table:
         self.caption = caption
 
     def __str__(self) -> str:
-        widths = [max(len(r[i]) for r in [self.columns, *self.rows]) for i in range(len(self.columns))]
+        widths = [
+            max(len(r[i]) for r in [self.columns, *self.rows]) for i in range(len(self.columns))
+        ]
         line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
         out = [line(self.columns), "  ".join("-" * w for w in widths), *map(line, self.rows)]
         return "\n".join(out + ([self.caption] if self.caption else []))
@@ -43,7 +45,8 @@ class Table:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+            for row in self.rows
         )
         cap = f"<caption>{html.escape(self.caption)}</caption>" if self.caption else ""
         return f'<table class="runbook-table">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
@@ -58,21 +61,40 @@ def _params(report: MemoryReport) -> str:
 def report_table(reports: Sequence[MemoryReport], caption: str | None = None) -> Table:
     """Per-variant bytes, lower bound and overhead (total / lower bound)."""
     rows = [
-        [r.name, r.role, _params(r), fmt_bytes(r.argument), fmt_bytes(r.temp), fmt_bytes(r.output),
-         fmt_bytes(r.total), fmt_bytes(r.lower_bound), f"{r.overhead:.3f}x"]
+        [
+            r.name,
+            r.role,
+            _params(r),
+            fmt_bytes(r.argument),
+            fmt_bytes(r.temp),
+            fmt_bytes(r.output),
+            fmt_bytes(r.total),
+            fmt_bytes(r.lower_bound),
+            f"{r.overhead:.3f}x",
+        ]
         for r in reports
     ]
     if caption is None and reports:
         caption = f"Compile-time, per device. {reports[0].provenance.label()}."
-    columns = ["variant", "role", "params", "argument", "temp", "output", "total", "lower bound", "total / bound"]
+    columns = [
+        "variant",
+        "role",
+        "params",
+        "argument",
+        "temp",
+        "output",
+        "total",
+        "lower bound",
+        "total / bound",
+    ]
     return Table(columns, rows, caption or "")
-
-
 
 
 def buffer_table(buffers: Sequence[Buffer], caption: str = "") -> Table:
     """The largest buffers: size, shape, kind, the instruction and source line that made it."""
-    rows = [[fmt_bytes(b.size), b.shape, b.kind, b.instruction, b.op, b.source or "-"] for b in buffers]
+    rows = [
+        [fmt_bytes(b.size), b.shape, b.kind, b.instruction, b.op, b.source or "-"] for b in buffers
+    ]
     return Table(["size", "shape", "kind", "HLO instruction", "JAX op", "source"], rows, caption)
 
 
@@ -96,11 +118,20 @@ def plot_reports(
         widths = [getattr(r, part) / scale for r in reports]
         ax.barh(names, widths, left=left, color=color, label=part)
         left = [a + b for a, b in zip(left, widths, strict=True)]
-    ax.scatter([r.lower_bound / scale for r in reports], names, marker="|", s=400, color="black",
-               label="lower bound", zorder=3)
+    ax.scatter(
+        [r.lower_bound / scale for r in reports],
+        names,
+        marker="|",
+        s=400,
+        color="black",
+        label="lower bound",
+        zorder=3,
+    )
     ax.invert_yaxis()
     ax.set_xlabel(f"{unit} per device (compile time)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize="small", frameon=False)
+    ax.legend(
+        loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize="small", frameon=False
+    )
     prov = reports[0].provenance.label()
     ax.set_title(f"{title}\n{prov}" if title else prov, fontsize="medium")
     ax.figure.tight_layout()
@@ -120,8 +151,14 @@ def plot_sweep(
     for i, name in enumerate(dict.fromkeys(r.name for r in reports)):
         points = sorted((r.params[x], getattr(r, part) / scale) for r in reports if r.name == name)
         # Identical variants draw on top of each other: vary style and size so both show.
-        ax.plot(*zip(*points, strict=True), marker="o", markersize=9 - i, linestyle=styles[i % 4],
-                linewidth=2.4 - 0.2 * i, label=name)
+        ax.plot(
+            *zip(*points, strict=True),
+            marker="o",
+            markersize=9 - i,
+            linestyle=styles[i % 4],
+            linewidth=2.4 - 0.2 * i,
+            label=name,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel(x)
     ax.set_ylabel(f"{part} {unit} per device (compile time)")
@@ -147,13 +184,27 @@ def peak_table(peaks: Sequence[Any], *, reference: str | None = None, caption: s
     ref = next((p.seconds for p in peaks if p.name == reference), None)
     rows = []
     for p in peaks:
-        row = [p.name, ", ".join(f"{k}={v}" for k, v in p.params.items()), fmt_bytes(p.predicted),
-               fmt_bytes(p.measured), f"{p.ratio:.2f}", "yes" if p.agrees else "NO",
-               f"{p.seconds * 1e3:.1f} ms"]
+        row = [
+            p.name,
+            ", ".join(f"{k}={v}" for k, v in p.params.items()),
+            fmt_bytes(p.predicted),
+            fmt_bytes(p.measured),
+            f"{p.ratio:.2f}",
+            "yes" if p.agrees else "NO",
+            f"{p.seconds * 1e3:.1f} ms",
+        ]
         if ref:
             row.append(f"{p.seconds / ref:.2f}x")
         rows.append(row)
-    columns = ["variant", "params", "predicted", "measured", "measured / predicted", "agree?", "run time"]
+    columns = [
+        "variant",
+        "params",
+        "predicted",
+        "measured",
+        "measured / predicted",
+        "agree?",
+        "run time",
+    ]
     if ref:
         columns.append(f"time vs {reference}")
     return Table(columns, rows, caption)

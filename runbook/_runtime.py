@@ -132,8 +132,13 @@ def _peak_json(
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     return {
-        "name": variant, "params": params, "predicted": int(predicted), "measured": int(measured),
-        "seconds": min(times) if times else 0.0, "method": method, "compiler_options": options,
+        "name": variant,
+        "params": params,
+        "predicted": int(predicted),
+        "measured": int(measured),
+        "seconds": min(times) if times else 0.0,
+        "method": method,
+        "compiler_options": options,
     }
 
 
@@ -166,7 +171,13 @@ def runtime_peak(
     size = c.scale(scale)
     params = dict(params if params is not None else c.grid(size)[0])
     data = _subprocess.call(
-        "runbook._runtime:_peak_json", devices=c.devices, name=case, variant=variant,
-        scale=scale, params=params, options=None if compiler_options is None else dict(compiler_options), repeats=repeats,
+        "runbook._runtime:_peak_json",
+        devices=c.devices,
+        name=case,
+        variant=variant,
+        scale=scale,
+        params=params,
+        options=None if compiler_options is None else dict(compiler_options),
+        repeats=repeats,
     )
     return RuntimePeak(**data)

@@ -50,7 +50,9 @@ def call(target: str, /, *, devices: int = 1, timeout: float = 1800, **kwargs: A
         raise RunbookError(f"child process for {target} failed (exit {proc.returncode}):\n{tail}")
     reply = json.loads(lines[-1])
     if "error" in reply:
-        raise (WontFitError if reply.get("kind") == "WontFitError" else RunbookError)(reply["error"])
+        raise (WontFitError if reply.get("kind") == "WontFitError" else RunbookError)(
+            reply["error"]
+        )
     return reply["result"]
 
 

@@ -41,7 +41,11 @@ def test_gather_grad_json_at_seed_scale(capsys):
     data = run_json(capsys, "gather-grad")
     check_contract(data, "gather-grad")
     assert data["devices"] == 1
-    idx = next(v for v in data["variants"] if v["name"] == "forward" and v["params"]["index_dtype"] == "int32")
+    idx = next(
+        v
+        for v in data["variants"]
+        if v["name"] == "forward" and v["params"]["index_dtype"] == "int32"
+    )
     assert idx["bytes"]["argument"] >= 2048**3 * 3 * 4  # the seed's index array, never allocated
 
 
@@ -76,13 +80,18 @@ def test_table_output_names_provenance(capsys):
     ("argv", "expected"),
     [
         (["run", "nope"], "unknown case 'nope'; valid: gather-grad, pmap-loop"),
-        (["run", "gather-grad", "--scale", "huge"], "unknown scale 'huge' for case 'gather-grad'; valid: seed"),
+        (
+            ["run", "gather-grad", "--scale", "huge"],
+            "unknown scale 'huge' for case 'gather-grad'; valid: seed",
+        ),
         (["run", "gather-grad", "--bogus"], "unrecognized arguments: --bogus"),
         (["frobnicate"], "invalid choice"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, expected):
-    proc = subprocess.run([sys.executable, "-m", "runbook", *argv], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runbook", *argv], capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

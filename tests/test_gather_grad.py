@@ -67,7 +67,10 @@ def test_reproduction_matches_xla_own_report(seed):
 
 def test_gradient_roughly_doubles_the_forward(seed):
     result = seed[0]
-    ratio = result.one("grad", index_dtype="int32").total / result.one("forward", index_dtype="int32").total
+    ratio = (
+        result.one("grad", index_dtype="int32").total
+        / result.one("forward", index_dtype="int32").total
+    )
     assert ratio > 1.5
 
 
@@ -78,8 +81,12 @@ def test_fixes_give_the_same_gradient():
 
 
 def test_same_result_check_catches_a_wrong_fix(monkeypatch):
-    wrong = runbook.Variant("grad-wrong", "fix", "off by 1%", lambda p: jax.grad(lambda x, i: 1.01 * loss(x, i)))
-    monkeypatch.setattr(gather_grad, "CASE", dataclasses.replace(CASE, variants=(*CASE.variants, wrong)))
+    wrong = runbook.Variant(
+        "grad-wrong", "fix", "off by 1%", lambda p: jax.grad(lambda x, i: 1.01 * loss(x, i))
+    )
+    monkeypatch.setattr(
+        gather_grad, "CASE", dataclasses.replace(CASE, variants=(*CASE.variants, wrong))
+    )
     checks = runbook.verify("gather-grad", "tiny")
     assert [c["same"] for c in checks if c["name"] == "grad-wrong"] == [False, False]
 

@@ -118,6 +118,8 @@ def test_xla_report_agrees_with_memory_analysis():
 
 
 def test_shape_error_is_reported_without_a_misleading_hint():
-    with pytest.raises(runbook.RunbookError, match="could not trace .*contracting dimensions") as info:
+    with pytest.raises(
+        runbook.RunbookError, match="could not trace .*contracting dimensions"
+    ) as info:
         runbook.measure(lambda a: a @ jnp.ones((3, 3)), jax.ShapeDtypeStruct((4, 4), jnp.float32))
     assert "control flow" not in str(info.value)

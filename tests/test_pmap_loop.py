@@ -50,7 +50,9 @@ def test_whole_case_measured_within_a_minute(seed):
 
 
 def sweep(result, name, part="temp"):
-    return [getattr(r, part) for r in sorted(result.select(name), key=lambda r: r.params["iterations"])]
+    return [
+        getattr(r, part) for r in sorted(result.select(name), key=lambda r: r.params["iterations"])
+    ]
 
 
 def test_reproduction_grows_with_iterations(seed):

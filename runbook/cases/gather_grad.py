@@ -43,7 +43,10 @@ def gather_points(x: jax.Array, idx: jax.Array) -> jax.Array:
     would also wrap negative indices, which costs a rewritten copy of the index array.
     """
     return lax.gather(
-        x, idx, _POINTS, slice_sizes=(1, 1, 1),
+        x,
+        idx,
+        _POINTS,
+        slice_sizes=(1, 1, 1),
         mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     )
 
@@ -99,23 +102,26 @@ CASE = Case(
     },
     variants=(
         Variant("forward", "baseline", "the loss itself, no gradient", lambda p: loss),
-        Variant("grad", "reproduction", "jax.grad of the split-index gather", lambda p: jax.grad(loss)),
         Variant(
-            "grad-whole-index", "fix", "jax.grad with the (N, 3) index passed to lax.gather whole",
+            "grad", "reproduction", "jax.grad of the split-index gather", lambda p: jax.grad(loss)
+        ),
+        Variant(
+            "grad-whole-index",
+            "fix",
+            "jax.grad with the (N, 3) index passed to lax.gather whole",
             lambda p: jax.grad(loss_whole_index),
         ),
         Variant(
-            "grad-chunked", "fix", "jax.grad of a lax.scan over index chunks",
+            "grad-chunked",
+            "fix",
+            "jax.grad of a lax.scan over index chunks",
             lambda p: jax.grad(lambda x, idx: loss_chunked(x, idx, p["chunk"])),
         ),
     ),
     args=_args,
-    grid=lambda scale: [
-        {"index_dtype": d, "chunk": _chunk(scale)} for d in ("int32", "int16")
-    ],
+    grid=lambda scale: [{"index_dtype": d, "chunk": _chunk(scale)} for d in ("int32", "int16")],
     tolerance=1e-4,
 )
-
 
 
 def manual_grad(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -148,63 +154,84 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
 
     copy = next((b for b in grad.buffers if b.kind == "temp"), None)
     copied = copy is not None and copy.size == idx_bytes and "concatenate" in copy.op
-    out.append(Claim(
-        "duplicate", "The gradient holds a second copy of `idx`, made by a concatenate.",
-        verdict(copied),
-        f"largest temporary: {fmt_bytes(copy.size) if copy else '-'} {copy.shape if copy else ''}"
-        f" from {copy.op if copy else '-'} ({copy.source if copy else '-'}); idx itself is "
-        f"{fmt_bytes(idx_bytes)}.",
-    ))
+    out.append(
+        Claim(
+            "duplicate",
+            "The gradient holds a second copy of `idx`, made by a concatenate.",
+            verdict(copied),
+            f"largest temporary: {fmt_bytes(copy.size) if copy else '-'} {copy.shape if copy else ''}"
+            f" from {copy.op if copy else '-'} ({copy.source if copy else '-'}); idx itself is "
+            f"{fmt_bytes(idx_bytes)}.",
+        )
+    )
 
     jax_made = "concatenate" in jax.jit(jax.grad(loss)).lower(*args32).as_text()
-    out.append(Claim(
-        "xla-bug", "The copy is an XLA bug.",
-        verdict(not jax_made or whole.temp >= grad.temp, otherwise="refuted"),
-        "the program JAX hands to XLA already contains the concatenate "
-        f"({'present' if jax_made else 'absent'} in the lowered StableHLO): jnp indexing "
-        "splits and re-joins the index; passing it whole to lax.gather removes the copy "
-        f"({fmt_bytes(grad.temp)} -> {fmt_bytes(whole.temp)} temp).",
-    ))
+    out.append(
+        Claim(
+            "xla-bug",
+            "The copy is an XLA bug.",
+            verdict(not jax_made or whole.temp >= grad.temp, otherwise="refuted"),
+            "the program JAX hands to XLA already contains the concatenate "
+            f"({'present' if jax_made else 'absent'} in the lowered StableHLO): jnp indexing "
+            "splits and re-joins the index; passing it whole to lax.gather removes the copy "
+            f"({fmt_bytes(grad.temp)} -> {fmt_bytes(whole.temp)} temp).",
+        )
+    )
 
     copy16 = next((b for b in grad16.buffers if b.kind == "temp"), None)
     widened = copy16 is not None and copy16.shape.startswith("s32") and copy16.size == idx_bytes
-    out.append(Claim(
-        "int16-s32", "With int16 indices the copy is made as int32 (s32).",
-        verdict(widened),
-        f"int16 run: largest temporary {copy16.shape if copy16 else '-'}, "
-        f"{fmt_bytes(copy16.size) if copy16 else '-'} (twice the int16 input).",
-    ))
+    out.append(
+        Claim(
+            "int16-s32",
+            "With int16 indices the copy is made as int32 (s32).",
+            verdict(widened),
+            f"int16 run: largest temporary {copy16.shape if copy16 else '-'}, "
+            f"{fmt_bytes(copy16.size) if copy16 else '-'} (twice the int16 input).",
+        )
+    )
     ratio16 = grad16.total / fwd16.total
-    out.append(Claim(
-        "int16-fourfold", "With int16 indices the gradient needs four times the forward's memory.",
-        verdict(abs(ratio16 - 4) < 0.2),
-        f"int16: gradient {fmt_bytes(grad16.total)} / forward {fmt_bytes(fwd16.total)} = "
-        f"{ratio16:.2f}x (int32: {grad.total / fwd.total:.2f}x).",
-    ))
+    out.append(
+        Claim(
+            "int16-fourfold",
+            "With int16 indices the gradient needs four times the forward's memory.",
+            verdict(abs(ratio16 - 4) < 0.2),
+            f"int16: gradient {fmt_bytes(grad16.total)} / forward {fmt_bytes(fwd16.total)} = "
+            f"{ratio16:.2f}x (int32: {grad.total / fwd.total:.2f}x).",
+        )
+    )
 
-    out.append(Claim(
-        "avoid-gather", "Avoid gather operations to save memory.",
-        verdict(chunked.overhead > 1.05),
-        f"the fixes keep the gather: grad-chunked reaches {chunked.overhead:.4f}x its lower "
-        f"bound; grad-whole-index {whole.overhead:.3f}x.",
-    ))
+    out.append(
+        Claim(
+            "avoid-gather",
+            "Avoid gather operations to save memory.",
+            verdict(chunked.overhead > 1.05),
+            f"the fixes keep the gather: grad-chunked reaches {chunked.overhead:.4f}x its lower "
+            f"bound; grad-whole-index {whole.overhead:.3f}x.",
+        )
+    )
 
     manual = measure(manual_grad, *args32, name="manual")
-    out.append(Claim(
-        "manual-grad", "Computing the gradient by hand avoids the inflation.",
-        verdict(manual.total < 0.9 * grad.total),
-        f"hand-written scatter-add: {fmt_bytes(manual.total)} vs jax.grad "
-        f"{fmt_bytes(grad.total)}: jnp indexing of the scatter builds the same index copy.",
-    ))
+    out.append(
+        Claim(
+            "manual-grad",
+            "Computing the gradient by hand avoids the inflation.",
+            verdict(manual.total < 0.9 * grad.total),
+            f"hand-written scatter-add: {fmt_bytes(manual.total)} vs jax.grad "
+            f"{fmt_bytes(grad.total)}: jnp indexing of the scatter builds the same index copy.",
+        )
+    )
 
     remat = measure(jax.grad(jax.checkpoint(loss)), *args32, name="checkpoint")
-    out.append(Claim(
-        "checkpoint", "Gradient checkpointing (jax.checkpoint) reduces the memory.",
-        verdict(remat.total < 0.9 * grad.total),
-        f"jax.grad(jax.checkpoint(loss)): {fmt_bytes(remat.total)} vs {fmt_bytes(grad.total)}: "
-        "nothing is saved for the backward pass; the copy is made inside it. Chunking "
-        f"(grad-chunked, no checkpoint needed) gives {fmt_bytes(chunked.total)}.",
-    ))
+    out.append(
+        Claim(
+            "checkpoint",
+            "Gradient checkpointing (jax.checkpoint) reduces the memory.",
+            verdict(remat.total < 0.9 * grad.total),
+            f"jax.grad(jax.checkpoint(loss)): {fmt_bytes(remat.total)} vs {fmt_bytes(grad.total)}: "
+            "nothing is saved for the backward pass; the copy is made inside it. Chunking "
+            f"(grad-chunked, no checkpoint needed) gives {fmt_bytes(chunked.total)}.",
+        )
+    )
 
     lowered = jax.jit(jax.grad(loss)).lower(*args32)
     flag_totals = []
@@ -215,17 +242,25 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         except Exception:  # noqa: BLE001, S112 - an option this jaxlib lacks proves nothing
             continue
     best = min((t for _, t in flag_totals), default=grad.temp)
-    tried = "; ".join(f"{next(iter(f))}={next(iter(f.values()))}: {fmt_bytes(t)}" for f, t in flag_totals)
-    out.append(Claim(
-        "xla-flags", "XLA flags or disabled HLO passes can prevent the copy.",
-        verdict(best < 0.9 * grad.temp, otherwise="not reproducible here"),
-        f"temp with each option tried (default {fmt_bytes(grad.temp)}): {tried}.",
-    ))
+    tried = "; ".join(
+        f"{next(iter(f))}={next(iter(f.values()))}: {fmt_bytes(t)}" for f, t in flag_totals
+    )
+    out.append(
+        Claim(
+            "xla-flags",
+            "XLA flags or disabled HLO passes can prevent the copy.",
+            verdict(best < 0.9 * grad.temp, otherwise="not reproducible here"),
+            f"temp with each option tried (default {fmt_bytes(grad.temp)}): {tried}.",
+        )
+    )
 
-    out.append(Claim(
-        "profiling", "Memory profiling identifies the operations responsible.",
-        verdict(copied and bool(copy and copy.source)),
-        "XLA's buffer assignment, read back by runbook.measure(..., buffers=True), names the "
-        f"concatenate, its shape and the source line {copy.source if copy else '-'}.",
-    ))
+    out.append(
+        Claim(
+            "profiling",
+            "Memory profiling identifies the operations responsible.",
+            verdict(copied and bool(copy and copy.source)),
+            "XLA's buffer assignment, read back by runbook.measure(..., buffers=True), names the "
+            f"concatenate, its shape and the source line {copy.source if copy else '-'}.",
+        )
+    )
     return out

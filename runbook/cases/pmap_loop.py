@@ -135,7 +135,9 @@ def sharded_pmap_args(scale, params, concrete):
     if not concrete:
         return inds, jax.ShapeDtypeStruct(shape, jnp.float32)
     sharding = NamedSharding(_mesh(), P("d"))
-    return jax.device_put(inds, sharding), jax.device_put(_inputs(scale, True).reshape(shape), sharding)
+    return jax.device_put(inds, sharding), jax.device_put(
+        _inputs(scale, True).reshape(shape), sharding
+    )
 
 
 def sharded_jit_args(scale, params, concrete):
@@ -188,8 +190,6 @@ def options() -> dict[str, Any]:
     return dict(CPU_ACCOUNTING_OPTIONS)
 
 
-
-
 _WIDTH = 256
 
 CASE = Case(
@@ -204,33 +204,51 @@ CASE = Case(
     },
     variants=(
         Variant(
-            "serial", "baseline", "one device's share of the work, jit on a single device",
-            lambda p: jax.jit(functools.partial(loop_sum, width=_WIDTH)), args=serial_args,
+            "serial",
+            "baseline",
+            "one device's share of the work, jit on a single device",
+            lambda p: jax.jit(functools.partial(loop_sum, width=_WIDTH)),
+            args=serial_args,
         ),
         Variant(
-            "pmap-loop", "reproduction", "pmap, whole input replicated, Python for loop",
+            "pmap-loop",
+            "reproduction",
+            "pmap, whole input replicated, Python for loop",
             lambda p: pmapped(loop_sum, _WIDTH),
         ),
         Variant(
-            "pmap-fori", "fix", "pmap, whole input replicated, lax.fori_loop",
+            "pmap-fori",
+            "fix",
+            "pmap, whole input replicated, lax.fori_loop",
             lambda p: pmapped(fori_sum, _WIDTH),
         ),
         Variant(
-            "pmap-map", "fix", "pmap, whole input replicated, lax.map(batch_size=4)",
-            lambda p: pmapped(map_sum, _WIDTH), since="jax.lax.map(batch_size=)",
+            "pmap-map",
+            "fix",
+            "pmap, whole input replicated, lax.map(batch_size=4)",
+            lambda p: pmapped(map_sum, _WIDTH),
+            since="jax.lax.map(batch_size=)",
         ),
         Variant(
-            "pmap-vmap", "fix", "pmap, whole input replicated, jax.vmap over iterations",
+            "pmap-vmap",
+            "fix",
+            "pmap, whole input replicated, jax.vmap over iterations",
             lambda p: pmapped(vmap_sum, _WIDTH),
         ),
         Variant(
-            "pmap-sharded", "fix", "pmap, input split by rows (in_axes=0), Python for loop",
-            lambda p: pmapped(loop_sum, _WIDTH, sharded=True), args=sharded_pmap_args,
+            "pmap-sharded",
+            "fix",
+            "pmap, input split by rows (in_axes=0), Python for loop",
+            lambda p: pmapped(loop_sum, _WIDTH, sharded=True),
+            args=sharded_pmap_args,
         ),
         Variant(
-            "shard_map-fori", "fix",
+            "shard_map-fori",
+            "fix",
             "recommended: jit + shard_map, input sharded by rows, lax.fori_loop",
-            lambda p: shard_mapped(fori_sum, _WIDTH), args=sharded_jit_args, since="jax.shard_map",
+            lambda p: shard_mapped(fori_sum, _WIDTH),
+            args=sharded_jit_args,
+            since="jax.shard_map",
         ),
     ),
     args=replicated_args,
@@ -260,83 +278,110 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
     loop, serial = at("pmap-loop", hi), at("serial", hi)
     same_as_serial = all(at("pmap-loop", k).total == at("serial", k).total for k in ks)
     out = []
-    out.append(Claim(
-        "replicates", "pmap replicates the function on every GPU, multiplying its memory.",
-        verdict(not same_as_serial),
-        f"per device, pmap-loop needs exactly what the single-device serial program needs at "
-        f"every iteration count ({fmt_bytes(loop.total)} vs {fmt_bytes(serial.total)} at "
-        f"{hi} iterations): each device runs one copy of the per-device program.",
-    ))
+    out.append(
+        Claim(
+            "replicates",
+            "pmap replicates the function on every GPU, multiplying its memory.",
+            verdict(not same_as_serial),
+            f"per device, pmap-loop needs exactly what the single-device serial program needs at "
+            f"every iteration count ({fmt_bytes(loop.total)} vs {fmt_bytes(serial.total)} at "
+            f"{hi} iterations): each device runs one copy of the per-device program.",
+        )
+    )
     growth = at("pmap-loop", hi).temp / at("pmap-loop", lo).temp
     fori_flat = at("pmap-fori", hi).temp <= 1.01 * at("pmap-fori", lo).temp
-    out.append(Claim(
-        "all-gpus", "The for loop is compiled for all GPUs simultaneously, multiplying memory.",
-        verdict(not same_as_serial),
-        f"the multiplier is the iteration count, not the GPU count: temp grows {growth:.1f}x "
-        f"from {lo} to {hi} iterations in pmap-loop and identically in serial; the rolled "
-        f"loop (pmap-fori) stays {'flat' if fori_flat else 'not flat'} "
-        f"at {fmt_bytes(at('pmap-fori', hi).temp)}.",
-    ))
+    out.append(
+        Claim(
+            "all-gpus",
+            "The for loop is compiled for all GPUs simultaneously, multiplying memory.",
+            verdict(not same_as_serial),
+            f"the multiplier is the iteration count, not the GPU count: temp grows {growth:.1f}x "
+            f"from {lo} to {hi} iterations in pmap-loop and identically in serial; the rolled "
+            f"loop (pmap-fori) stays {'flat' if fori_flat else 'not flat'} "
+            f"at {fmt_bytes(at('pmap-fori', hi).temp)}.",
+        )
+    )
     args = replicated_args(scale, {"iterations": hi}, False)
     unrolled = compile_fn(pmapped(loop_sum, _WIDTH), *args, compiler_options=options())
     rolled = compile_fn(pmapped(fori_sum, _WIDTH), *args, compiler_options=options())
     n_unrolled, n_rolled = _count_products(unrolled), _count_products(rolled)
-    out.append(Claim(
-        "eager-compile", "JAX compiles the whole function up front, loop included.",
-        verdict(n_unrolled == hi and n_rolled == 1),
-        f"the compiled pmap-loop program holds {n_unrolled} matrix products for {hi} "
-        f"iterations (the Python loop is unrolled at trace time); pmap-fori holds {n_rolled}. "
-        f"Compile time: {at('pmap-loop', hi).compile_seconds:.2f} s vs "
-        f"{at('pmap-fori', hi).compile_seconds:.2f} s.",
-    ))
-    out.append(Claim(
-        "fragmentation", "Memory fragmentation adds to the problem.",
-        "not reproducible here",
-        "the compile-time plan alone accounts for the growth (one live product per "
-        "iteration); fragmentation is a property of a GPU allocator at run time, which a CPU "
-        "build cannot show.",
-    ))
-    vm = at("pmap-vmap", hi)
-    out.append(Claim(
-        "vmap", "Replace the loop with jax.vmap.",
-        verdict(vm.total < 0.9 * loop.total),
-        f"vmap materialises every iteration's product at once: {fmt_bytes(vm.temp)} temp at "
-        f"{hi} iterations vs {fmt_bytes(loop.temp)} for the loop and "
-        f"{fmt_bytes(at('pmap-fori', hi).temp)} for lax.fori_loop.",
-    ))
-    static = measure(
-        jax.jit(loop_sum, static_argnums=2), *serial_args(scale, {"iterations": hi}, False),
-        _WIDTH, compiler_options=options(),
+    out.append(
+        Claim(
+            "eager-compile",
+            "JAX compiles the whole function up front, loop included.",
+            verdict(n_unrolled == hi and n_rolled == 1),
+            f"the compiled pmap-loop program holds {n_unrolled} matrix products for {hi} "
+            f"iterations (the Python loop is unrolled at trace time); pmap-fori holds {n_rolled}. "
+            f"Compile time: {at('pmap-loop', hi).compile_seconds:.2f} s vs "
+            f"{at('pmap-fori', hi).compile_seconds:.2f} s.",
+        )
     )
-    out.append(Claim(
-        "static-argnums", "jit with static_argnums compiles the loop body only once.",
-        verdict(static.temp < 0.9 * serial.temp),
-        f"jax.jit(loop_sum, static_argnums=2) still unrolls: {fmt_bytes(static.temp)} temp, "
-        f"the same as the serial loop ({fmt_bytes(serial.temp)}). Only a rolled loop "
-        "(lax.fori_loop / lax.scan / lax.map) compiles the body once.",
-    ))
-    rep, shd = at("pmap-loop", hi), at("pmap-sharded", hi)
-    out.append(Claim(
-        "shard-inputs", "The inputs are not partitioned across GPUs; shard them explicitly.",
-        verdict(rep.argument >= DEVICES * shd.argument * 0.99),
-        f"in_axes=None puts the whole input on every device ({fmt_bytes(rep.argument)} "
-        f"argument bytes per device); split by rows it is {fmt_bytes(shd.argument)}. "
-        "(jax.tree_map, which the write-up names, places nothing: in_axes or a "
-        "NamedSharding does.)",
-    ))
-    sm = at("shard_map-fori", hi) if result.select("shard_map-fori") else None
-    pmap_sharded_fori = measure(
-        pmapped(fori_sum, _WIDTH, sharded=True), *sharded_pmap_args(scale, {"iterations": hi}, False),
+    out.append(
+        Claim(
+            "fragmentation",
+            "Memory fragmentation adds to the problem.",
+            "not reproducible here",
+            "the compile-time plan alone accounts for the growth (one live product per "
+            "iteration); fragmentation is a property of a GPU allocator at run time, which a CPU "
+            "build cannot show.",
+        )
+    )
+    vm = at("pmap-vmap", hi)
+    out.append(
+        Claim(
+            "vmap",
+            "Replace the loop with jax.vmap.",
+            verdict(vm.total < 0.9 * loop.total),
+            f"vmap materialises every iteration's product at once: {fmt_bytes(vm.temp)} temp at "
+            f"{hi} iterations vs {fmt_bytes(loop.temp)} for the loop and "
+            f"{fmt_bytes(at('pmap-fori', hi).temp)} for lax.fori_loop.",
+        )
+    )
+    static = measure(
+        jax.jit(loop_sum, static_argnums=2),
+        *serial_args(scale, {"iterations": hi}, False),
+        _WIDTH,
         compiler_options=options(),
     )
-    out.append(Claim(
-        "manual", "Distribute the work manually instead of relying on pmap.",
-        verdict(sm is not None and sm.total < 0.95 * pmap_sharded_fori.total),
-        f"pmap with the same two changes (rows sharded, rolled loop) needs "
-        f"{fmt_bytes(pmap_sharded_fori.total)} per device; jit + shard_map needs "
-        f"{fmt_bytes(sm.total) if sm else 'n/a'}. The memory comes from the loop and the "
-        "replication, not from pmap itself.",
-    ))
+    out.append(
+        Claim(
+            "static-argnums",
+            "jit with static_argnums compiles the loop body only once.",
+            verdict(static.temp < 0.9 * serial.temp),
+            f"jax.jit(loop_sum, static_argnums=2) still unrolls: {fmt_bytes(static.temp)} temp, "
+            f"the same as the serial loop ({fmt_bytes(serial.temp)}). Only a rolled loop "
+            "(lax.fori_loop / lax.scan / lax.map) compiles the body once.",
+        )
+    )
+    rep, shd = at("pmap-loop", hi), at("pmap-sharded", hi)
+    out.append(
+        Claim(
+            "shard-inputs",
+            "The inputs are not partitioned across GPUs; shard them explicitly.",
+            verdict(rep.argument >= DEVICES * shd.argument * 0.99),
+            f"in_axes=None puts the whole input on every device ({fmt_bytes(rep.argument)} "
+            f"argument bytes per device); split by rows it is {fmt_bytes(shd.argument)}. "
+            "(jax.tree_map, which the write-up names, places nothing: in_axes or a "
+            "NamedSharding does.)",
+        )
+    )
+    sm = at("shard_map-fori", hi) if result.select("shard_map-fori") else None
+    pmap_sharded_fori = measure(
+        pmapped(fori_sum, _WIDTH, sharded=True),
+        *sharded_pmap_args(scale, {"iterations": hi}, False),
+        compiler_options=options(),
+    )
+    out.append(
+        Claim(
+            "manual",
+            "Distribute the work manually instead of relying on pmap.",
+            verdict(sm is not None and sm.total < 0.95 * pmap_sharded_fori.total),
+            f"pmap with the same two changes (rows sharded, rolled loop) needs "
+            f"{fmt_bytes(pmap_sharded_fori.total)} per device; jit + shard_map needs "
+            f"{fmt_bytes(sm.total) if sm else 'n/a'}. The memory comes from the loop and the "
+            "replication, not from pmap itself.",
+        )
+    )
     return out
 
 
