@@ -83,7 +83,7 @@ def test_failing_variant_is_failed_with_its_reason(fake):
     assert result["variants"][0]["bytes"]["argument"] == 8 * 4
     broken = result["skipped"]
     assert [e["status"] for e in broken] == ["failed", "failed"]
-    assert broken[0]["reason"] == "ValueError: no such primitive in this release"
+    assert broken[0]["reason"].endswith("no such primitive in this release")
 
 
 def test_child_that_dies_is_failed_with_its_last_words(fake):

@@ -119,7 +119,7 @@ def test_xla_report_agrees_with_memory_analysis():
 
 def test_shape_error_is_reported_without_a_misleading_hint():
     with pytest.raises(
-        runbook.RunbookError, match="could not trace .*contracting dimensions"
+        runbook.RunbookError, match=r"could not trace .*contracting dimensions"
     ) as info:
         runbook.measure(lambda a: a @ jnp.ones((3, 3)), jax.ShapeDtypeStruct((4, 4), jnp.float32))
     assert "control flow" not in str(info.value)
