@@ -2,7 +2,7 @@
 # /// script
 # dependencies = ["nox>=2025.2.9"]
 # ///
-"""Sessions: tests, docs, lint (default); versions, gpu, browser (on demand)."""
+"""Sessions: tests and lint (default); docs, browser, versions and gpu (on demand)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,14 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def docs(session: nox.Session) -> None:
-    """Build the site, executing every page. `-- --serve` is not offered: open docs/_build/html."""
+    """Build the site, executing every page.
+
+    `-- --fresh` deletes the previous build first; `-- --cuda` measures with JAX's CUDA
+    build (on a machine with an NVIDIA GPU).
+    """
     session.install("-e.", *nox.project.dependency_groups(PROJECT, "docs"))
+    if "--cuda" in session.posargs:
+        session.install("jax[cuda12]")
     build = ROOT / "docs" / "_build"
     if "--fresh" in session.posargs:
         shutil.rmtree(build, ignore_errors=True)
@@ -38,6 +44,17 @@ def docs(session: nox.Session) -> None:
         "sphinx-build", "-n", "-T", "-W", "--keep-going", "-b", "html",
         "docs", str(build / "html"),
     )  # fmt: skip
+
+
+@nox.session(default=False)
+def browser(session: nox.Session) -> None:
+    """Open every built page in headless Chromium (Debian's `chromium`) and check it."""
+    if not (ROOT / "docs" / "_build" / "html" / "index.html").exists():
+        session.error("no built site: run `nox -s docs` first")
+    session.install("playwright")
+    script = str(ROOT / "docs" / "_tools" / "browser_check.py")
+    session.run("python", script, "--self-test")
+    session.run("python", script, *session.posargs)
 
 
 @nox.session
