@@ -94,3 +94,7 @@ def gpu(session: nox.Session) -> None:
         "python", "-m", "runbook._gpu", "--out-dir", str(ROOT / "docs" / "_data" / "gpu"),
         *session.posargs, env={"PYTHONPATH": path},
     )  # fmt: skip
+
+
+if __name__ == "__main__":
+    nox.main()

@@ -98,7 +98,14 @@ os.environ["PATH"] = os.pathsep.join([str(pathlib.Path(sys.executable).parent), 
 # Environment variables that change what XLA compiles (and so the bytes it reports).
 _ENV_PREFIXES = ("XLA_", "JAX_", "TF_CPP_", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 # Files under docs/ that are not pages but that pages read (data files from nox sessions).
-_NOT_INPUTS = {"_build", "jupyter_execute", "_static", "_tools", "__pycache__", ".ipynb_checkpoints"}
+_NOT_INPUTS = {
+    "_build",
+    "jupyter_execute",
+    "_static",
+    "_tools",
+    "__pycache__",
+    ".ipynb_checkpoints",
+}
 
 
 def _backend() -> dict[str, str]:
@@ -127,7 +134,11 @@ def fingerprint() -> tuple[str, dict[str, object]]:
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     for path in sorted(DOCS.rglob("*")):
         rel = path.relative_to(DOCS)
-        if path.is_file() and path.suffix not in {".md", ".py"} and not _NOT_INPUTS & set(rel.parts):
+        if (
+            path.is_file()
+            and path.suffix not in {".md", ".py"}
+            and not _NOT_INPUTS & set(rel.parts)
+        ):
             digest.update(rel.as_posix().encode() + b"\0" + path.read_bytes())
     parts: dict[str, object] = {
         **_backend(),
@@ -148,14 +159,17 @@ os.environ["RUNBOOK_DOCS_FINGERPRINT_PARTS"] = json.dumps(_parts, sort_keys=True
 # --- navigation mirrors the case list --------------------------------------------------
 
 
-def _check_case_pages(app, env) -> None:  # noqa: ANN001 (Sphinx's own objects)
+def _check_case_pages(app, env) -> None:
     """Warn (an error under -W) unless the Cases toctree lists exactly `runbook.case_names()`."""
-    import runbook
     from sphinx.util import logging
+
+    import runbook
 
     logger = logging.getLogger("runbook")
     expected = [f"cases/{name}" for name in runbook.case_names()]
-    listed = [d for d in env.toctree_includes.get(env.config.root_doc, []) if d.startswith("cases/")]
+    listed = [
+        d for d in env.toctree_includes.get(env.config.root_doc, []) if d.startswith("cases/")
+    ]
     if listed != expected:
         logger.warning(
             "the Cases toctree in index.md lists %s but runbook.case_names() gives %s: "
@@ -169,7 +183,7 @@ def _check_case_pages(app, env) -> None:  # noqa: ANN001 (Sphinx's own objects)
 _MARKDOWN_CODE = re.compile(r"(?<![`:\w])`([^`]+)`(?!`)")
 
 
-def _markdown_code(app, what, name, obj, options, lines: list[str]) -> None:  # noqa: ANN001
+def _markdown_code(app, what, name, obj, options, lines: list[str]) -> None:
     """Render the package's single-backtick `code` as code, and `|x|` as text, not markup.
 
     Runs after napoleon has turned the Google-style sections into fields. Doctest lines
@@ -182,7 +196,7 @@ def _markdown_code(app, what, name, obj, options, lines: list[str]) -> None:  # 
         lines[i] = _MARKDOWN_CODE.sub(r":code:`\1`\\ ", line)
 
 
-def setup(app):  # noqa: ANN001, ANN201
+def setup(app):
     app.connect("autodoc-process-docstring", _markdown_code, priority=900)
     app.add_config_value("runbook_fingerprint", "", "env")
     app.connect("env-check-consistency", _check_case_pages)

@@ -134,7 +134,7 @@ def check_page(context, base: str, root: pathlib.Path, page: str, shots: pathlib
         lambda r: r.status >= 400 and problems.append(f"HTTP {r.status}: {r.url}"),
     )
 
-    def route(r) -> None:  # noqa: ANN001
+    def route(r) -> None:
         if r.request.url.startswith(base) or r.request.url.startswith("data:"):
             r.continue_()
         else:  # the site must work with no network: nothing outside localhost
@@ -214,7 +214,12 @@ def _png() -> bytes:
 
     rows = b"".join(b"\0" + b"\xff\0\0" * 2 for _ in range(2))
     header = struct.pack(">IIBBBBB", 2, 2, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
 
 
 _TABLE = "<table><thead><tr><th>a</th></tr></thead><tbody><tr><td>1</td></tr></tbody></table>"
