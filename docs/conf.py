@@ -1,25 +1,21 @@
 """Sphinx configuration: MyST-NB pages executed at every build, warnings are errors.
 
-Sphinx re-reads (and so re-executes) only the pages whose source changed. Every page's
-numbers also depend on the `runbook` package, the JAX release and the backend, so those
-go into `runbook_fingerprint`, a config value with ``rebuild="env"``: when it changes,
-Sphinx discards its environment and every page runs again. A warm rebuild with nothing
-changed re-runs nothing; a rebuild after any change that could move a number re-runs all.
+A rebuild re-runs the pages whose source changed, and every page when anything their
+numbers depend on changed (the `runbook` package, JAX, the backend, data files): see
+`runbook_fingerprint` and docs/_ext/runbook_docs.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
-import platform
-import re
-import subprocess
 import sys
 
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
+sys.path.insert(0, str(DOCS / "_ext"))
+import runbook_docs  # the site's own extension, next to this file
 
 project = "JAX Memory Runbook"
 author = "JAX Memory Runbook developers"
@@ -33,8 +29,16 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.extlinks",
+    "runbook_docs",  # the build fingerprint, the case-list check, docstrings
 ]
-exclude_patterns = ["_build", "jupyter_execute", "_tools", "**.ipynb_checkpoints", "README.md"]
+exclude_patterns = [
+    "_build",
+    "jupyter_execute",
+    "_tools",
+    "_ext",
+    "**.ipynb_checkpoints",
+    "README.md",
+]
 nitpicky = True  # also for builds that do not pass -n (Read the Docs)
 
 # Every page runs at build time; a cell that raises fails the build.
@@ -93,111 +97,9 @@ copybutton_prompt_is_regexp = True
 os.environ["PATH"] = os.pathsep.join([str(pathlib.Path(sys.executable).parent), os.environ["PATH"]])
 
 
-# --- the fingerprint of everything a number on the site depends on -------------------
+# --- numbers never stale: see docs/_ext/runbook_docs.py ---------------------------------
 
-# Environment variables that change what XLA compiles (and so the bytes it reports).
-_ENV_PREFIXES = ("XLA_", "JAX_", "TF_CPP_", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-# Files under docs/ that are not pages but that pages read (data files from nox sessions).
-_NOT_INPUTS = {
-    "_build",
-    "jupyter_execute",
-    "_static",
-    "_tools",
-    "__pycache__",
-    ".ipynb_checkpoints",
-}
-
-
-def _backend() -> dict[str, str]:
-    """JAX's versions and default backend, asked of a child process.
-
-    A child, because initialising a GPU backend in the Sphinx process would hold device
-    memory the executing pages need.
-    """
-    probe = (
-        "import json, jax, jaxlib, numpy; d = jax.devices()[0]; print(json.dumps({"
-        "'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'numpy': numpy.__version__,"
-        "'backend': jax.default_backend(), 'device_kind': d.device_kind,"
-        "'devices': jax.device_count()}))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def fingerprint() -> tuple[str, dict[str, object]]:
-    """A hash of the package source, the docs' data files, JAX, the backend and the machine."""
-    digest = hashlib.sha256()
-    package = ROOT / "runbook"
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
-    for path in sorted(DOCS.rglob("*")):
-        rel = path.relative_to(DOCS)
-        if (
-            path.is_file()
-            and path.suffix not in {".md", ".py"}
-            and not _NOT_INPUTS & set(rel.parts)
-        ):
-            digest.update(rel.as_posix().encode() + b"\0" + path.read_bytes())
-    parts: dict[str, object] = {
-        **_backend(),
-        "python": platform.python_version(),
-        "machine": f"{platform.system()} {platform.machine()}",
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
-    }
-    digest.update(json.dumps(parts, sort_keys=True).encode())
-    return digest.hexdigest()[:16], parts
-
-
-runbook_fingerprint, _parts = fingerprint()
+runbook_fingerprint, _parts = runbook_docs.fingerprint(ROOT, DOCS)
 # The pages' kernels inherit the environment: the status page shows what the build hashed.
 os.environ["RUNBOOK_DOCS_FINGERPRINT"] = runbook_fingerprint
 os.environ["RUNBOOK_DOCS_FINGERPRINT_PARTS"] = json.dumps(_parts, sort_keys=True)
-
-
-# --- navigation mirrors the case list --------------------------------------------------
-
-
-def _check_case_pages(app, env) -> None:
-    """Warn (an error under -W) unless the Cases toctree lists exactly `runbook.case_names()`."""
-    from sphinx.util import logging
-
-    import runbook
-
-    logger = logging.getLogger("runbook")
-    expected = [f"cases/{name}" for name in runbook.case_names()]
-    listed = [
-        d for d in env.toctree_includes.get(env.config.root_doc, []) if d.startswith("cases/")
-    ]
-    if listed != expected:
-        logger.warning(
-            "the Cases toctree in index.md lists %s but runbook.case_names() gives %s: "
-            "add, remove or reorder the case pages so the navigation mirrors the case list.",
-            listed, expected, location=env.config.root_doc,
-        )  # fmt: skip
-
-
-# --- docstrings: the package writes `code` the Markdown way ---------------------------
-
-_MARKDOWN_CODE = re.compile(r"(?<![`:\w])`([^`]+)`(?!`)")
-
-
-def _markdown_code(app, what, name, obj, options, lines: list[str]) -> None:
-    """Render the package's single-backtick `code` as code, and `|x|` as text, not markup.
-
-    Runs after napoleon has turned the Google-style sections into fields. Doctest lines
-    are left alone.
-    """
-    for i, line in enumerate(lines):
-        if line.lstrip().startswith((">>>", "...")):
-            continue
-        line = line.replace("|", r"\|")
-        lines[i] = _MARKDOWN_CODE.sub(r":code:`\1`\\ ", line)
-
-
-def setup(app):
-    app.connect("autodoc-process-docstring", _markdown_code, priority=900)
-    app.add_config_value("runbook_fingerprint", "", "env")
-    app.connect("env-check-consistency", _check_case_pages)
-    return {"parallel_read_safe": True}

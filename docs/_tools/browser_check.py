@@ -9,7 +9,8 @@ The site is served on localhost; any request elsewhere is blocked and reported, 
 that needs the network fails. A page fails on: a console error or uncaught exception, a
 request that fails or returns an HTTP error, an image that did not load, a content image
 without alt text, a table with no rows or only empty cells, a link to a page of the site
-that does not exist, and, for a case page (``cases/*``), no chart. A full-page screenshot of
+that does not exist, a code block without its copy button, and, for a case page (``cases/*``), no chart. The search page must
+find the site's pages for a query (Sphinx's search runs in the browser, offline). A full-page screenshot of
 every page is saved under ``docs/_build/browser/`` with ``report.json``.
 
 Chromium is Debian's (``apt-get install chromium``), driven by Playwright; Playwright
@@ -70,6 +71,8 @@ async () => {
                filled: cells.filter(c => text(c) !== "").length };
     }),
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.getAttribute("href")),
+    uncopyable: Array.from(main.querySelectorAll("div.highlight"))
+      .filter(d => !d.querySelector("button.copybtn")).length,
   };
 }
 """
@@ -158,9 +161,13 @@ def check_page(context, base: str, root: pathlib.Path, page: str, shots: pathlib
             problems.append(f"empty table: {table['id']}")
     if page.startswith("cases/") and not any(i["output"] and i["loaded"] for i in info["images"]):
         problems.append("case page without its chart (no image in a cell output or figure)")
+    if info["uncopyable"]:
+        problems.append(f"code block without copy button: {info['uncopyable']} of them")
     for href in sorted(set(info["links"])):
         if _dead_link(root, page, href):
             problems.append(f"dead link: {href}")
+    if page == "search.html":
+        _check_search(tab, base, problems)
     shot = shots / _screenshot_name(page)
     tab.screenshot(path=str(shot), full_page=True)
     tab.close()
@@ -172,6 +179,20 @@ def check_page(context, base: str, root: pathlib.Path, page: str, shots: pathlib
         "screenshot": str(shot),
         "problems": problems,
     }
+
+
+SEARCH_QUERY = "memory"
+
+
+def _check_search(tab, base: str, problems: list[str]) -> None:
+    """Search the site for SEARCH_QUERY; the results must list at least one page."""
+    from playwright.sync_api import TimeoutError as NoResult
+
+    tab.goto(f"{base}search.html?q={SEARCH_QUERY}", wait_until="load")
+    try:
+        tab.wait_for_selector("#search-results ul.search li a", timeout=15_000)
+    except NoResult:
+        problems.append(f"search finds no page for {SEARCH_QUERY!r}")
 
 
 def check_site(root: pathlib.Path, shots: pathlib.Path, chromium: str) -> list[dict]:
@@ -238,6 +259,8 @@ SELF_TEST = {
     "cases/no-chart.html": (_TABLE, "case page without its chart"),
     "external.html": ('<img src="https://example.com/x.png" alt="x">', "external request"),
     "dead-link.html": ('<a href="missing-page.html">x</a>', "dead link"),
+    "search.html": ('<div id="search-results"></div>', "search finds no page"),
+    "no-copy.html": ('<div class="highlight"><pre>x = 1</pre></div>', "code block without copy"),
 }  # fmt: skip
 
 
