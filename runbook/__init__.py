@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from ._quiet import plugin_chatter
+
+with plugin_chatter():  # the GPU compiler plugin, if installed, logs its missing GPU here
+    import jax  # noqa: F401
+
 from ._buffers import Buffer
 from ._case import Case, CaseResult, Variant, case_names, get_case, measure_case, verify
 from ._claims import Claim, claims_table

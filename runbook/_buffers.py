@@ -143,7 +143,7 @@ def parse_dump(directory: pathlib.Path) -> list[Buffer]:
         if (a := _ALLOC.match(line)) is not None:
             kind = _allocation_kind(a[2])
         elif (v := _VALUE.match(line)) is not None:
-            name = v[1]
+            name = v[1].split("{")[0]  # "fusion{1}": element 1 of a tuple-shaped fusion
             op, source = _describe(name, instructions, roots)
             opcode = instructions[name].opcode if name in instructions else ""
             buffers.append(

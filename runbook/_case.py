@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -11,9 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _subprocess
+from . import _cache, _subprocess, _targets
 from ._buffers import Buffer
-from ._errors import RunbookError, UnknownNameError
+from ._errors import DoesNotFitError, RunbookError, UnknownNameError
 from ._measure import MemoryReport, compile_fn, measure
 from ._provenance import Provenance
 
@@ -113,13 +114,25 @@ def get_case(name: str) -> Case:
 
 @dataclasses.dataclass(frozen=True)
 class CaseResult:
-    """Every variant of a case measured at one scale."""
+    """Every variant of a case measured at one scale.
+
+    Attributes:
+        skipped: the programs not measured, each ``{"name", "params", "status", "reason"}``:
+            status ``"not applicable"`` (this JAX lacks an API the variant needs), ``"does
+            not fit"`` (a target's compiler refused it as too large for one device; with
+            ``"needed"`` and ``"limit"`` bytes) or ``"failed"`` (the compiler rejected it).
+    """
 
     case: str
     scale: str
     provenance: Provenance
     reports: tuple[MemoryReport, ...]
-    skipped: tuple[dict[str, str], ...] = ()
+    skipped: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def target(self) -> _targets.Target | None:
+        """The target these figures were compiled for; None for this process's backend."""
+        return _targets.get_target(self.provenance.target) if self.provenance.target else None
 
     def select(self, name: str | None = None, role: str | None = None, **params: Any):
         """Reports matching a variant name, a role and params."""
@@ -149,6 +162,7 @@ class CaseResult:
             "devices": p.devices,
             "machine": p.machine,
             "generated": p.date,
+            "target": self.target.to_json() if self.target else None,
             "variants": [r.to_json() for r in self.reports],
             "skipped": list(self.skipped),
         }
@@ -163,6 +177,7 @@ class CaseResult:
             data["jaxlib"],
             data.get("machine", ""),
             data.get("generated", ""),
+            (data.get("target") or {}).get("name", ""),
         )
         reports = []
         for i, v in enumerate(data["variants"]):
@@ -196,6 +211,7 @@ def measure_case(
     name: str,
     scale: str = "seed",
     *,
+    target: str | None = None,
     buffers: bool = False,
     variants: Sequence[str] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
@@ -203,12 +219,16 @@ def measure_case(
 ) -> CaseResult:
     """Measure every variant of case `name` at every point of its grid, allocating nothing.
 
-    A case that needs more devices than this process has runs in a fresh process with
-    forced host devices.
+    On this process's backend, a case that needs more devices than the process has runs in
+    a fresh process with forced host devices. For a `target`, the programs are compiled
+    here, on the target's compile-only devices.
 
     Args:
         name: a case name from `case_names()`.
         scale: a scale of the case ("seed" is the write-up's full size).
+        target: compile for this device (see `runbook.targets()`) instead of this
+            process's backend. A program too large for one of its devices is listed in
+            ``skipped`` with the compiler's figures.
         buffers: keep the largest buffers of each program (root-cause evidence).
         variants: only these variants (default: all).
         compiler_options: XLA options replacing the case's own (``{}``: XLA's defaults).
@@ -218,7 +238,7 @@ def measure_case(
     case.scale(scale)
     for v in variants or ():
         case.variant(v)
-    if _needs_child(case):
+    if target is None and _needs_child(case):
         data = _subprocess.call(
             "runbook._case:_measure_json",
             devices=case.devices,
@@ -229,30 +249,97 @@ def measure_case(
             compiler_options=None if compiler_options is None else dict(compiler_options),
         )
         return CaseResult.from_json(data["result"], data["buffers"])
+    t = _targets.require(target) if target is not None else None
+    with _targets.compiling_for(t):
+        reports, skipped = _measure_variants(
+            case, scale, t, buffers, variants, compiler_options, progress
+        )
+    provenance = (
+        Provenance.for_target(t.name, case.devices) if t is not None else Provenance.current()
+    )
+    return CaseResult(name, scale, provenance, tuple(reports), tuple(skipped))
+
+
+def _measure_variants(
+    case: Case,
+    scale: str,
+    target: _targets.Target | None,
+    buffers: bool,
+    variants: Sequence[str] | None,
+    compiler_options: Mapping[str, Any] | None,
+    progress: Callable[[str], None] | None,
+) -> tuple[list[MemoryReport], list[dict[str, Any]]]:
     size = case.scales[scale]
-    options = case.options() if compiler_options is None else compiler_options
-    reports, skipped = [], []
+    if compiler_options is not None:
+        options = compiler_options
+    else:
+        options = case.options() if target is None else {}
+    reports: list[MemoryReport] = []
+    skipped: list[dict[str, Any]] = []
     for variant in case.variants:
         if variants and variant.name not in variants:
             continue
-        if not case.available(variant):
-            skipped.append({"name": variant.name, "reason": f"needs {variant.since}"})
-            continue
         for params in case.grid(size):
-            args = case.inputs(variant, size, params, False)
-            report = measure(
-                variant.program(params),
-                *args,
-                name=variant.name,
-                compiler_options=options,
-                buffers=buffers,
+            where = {"name": variant.name, "role": variant.role, "params": dict(params)}
+            if not case.available(variant):
+                skipped.append(
+                    {**where, "status": "not applicable", "reason": f"needs {variant.since}"}
+                )
+                continue
+            request = {
+                "kind": "case-program", "case": case.name, "scale": scale, **where,
+                "target": target.name if target else None, "options": dict(options),
+                "buffers": buffers,
+            }  # fmt: skip
+            got = _cache.cached(
+                request,
+                functools.partial(
+                    _measure_one, case, variant, size, params, target, options, buffers
+                ),
+                module=_CASES[case.name],
             )
+            if "skipped" in got:
+                skipped.append({**where, **got["skipped"]})
+                if progress:
+                    progress(f"{case.name} {variant.name} {params}: {got['skipped']['status']}")
+                continue
+            report = MemoryReport.from_record(got["report"])
             floor = case.floor(variant, size, params) if case.floor else None
             report = dataclasses.replace(report, role=variant.role, params=params, floor=floor)
             reports.append(report)
             if progress:
-                progress(f"{name} {variant.name} {params}: {report.total:,} bytes")
-    return CaseResult(name, scale, Provenance.current(), tuple(reports), tuple(skipped))
+                progress(f"{case.name} {variant.name} {params}: {report.total:,} bytes")
+    return reports, skipped
+
+
+def _measure_one(
+    case: Case,
+    variant: Variant,
+    size: Mapping[str, Any],
+    params: Params,
+    target: _targets.Target | None,
+    options: Mapping[str, Any],
+    buffers: bool,
+) -> dict[str, Any]:
+    """One program: ``{"report": record}``, or ``{"skipped": entry}`` for a target's refusal."""
+    args = case.inputs(variant, size, params, False)
+    try:
+        report = measure(
+            variant.program(params),
+            *args,
+            name=variant.name,
+            compiler_options=options,
+            buffers=buffers,
+            target=target.name if target else None,
+        )
+    except DoesNotFitError as e:
+        return {"skipped": {"status": "does not fit", "reason": str(e), "needed": e.needed,
+                            "limit": e.limit, "what": e.what}}  # fmt: skip
+    except RunbookError as e:
+        if target is None:
+            raise
+        return {"skipped": {"status": "failed", "reason": str(e)}}
+    return {"report": report.to_record()}
 
 
 def _measure_json(

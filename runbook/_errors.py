@@ -16,3 +16,18 @@ class UnknownNameError(RunbookError, KeyError):
 
 class WontFitError(RunbookError):
     """A real execution was refused because the prediction exceeds the memory available."""
+
+
+class DoesNotFitError(RunbookError):
+    """A target's compiler refused a program too large for one device: a finding, with figures.
+
+    Attributes:
+        needed: the bytes the compiler says the program needs (of the kind `what` names).
+        limit: the bytes the device allows.
+        what: what `needed` counts ("HLO temporaries", or "one buffer" for a single array
+            larger than the device).
+    """
+
+    def __init__(self, message: str, *, needed: int, limit: int, what: str) -> None:
+        super().__init__(message)
+        self.needed, self.limit, self.what = needed, limit, what

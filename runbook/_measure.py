@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pathlib
 import tempfile
 import time
@@ -11,8 +12,9 @@ from typing import Any
 
 import jax
 
+from . import _targets
 from ._buffers import Buffer, parse_dump
-from ._errors import RunbookError
+from ._errors import DoesNotFitError, RunbookError
 from ._provenance import Provenance
 
 
@@ -52,6 +54,20 @@ class MemoryReport:
         """total / lower bound: 1.0 means nothing beyond what must exist."""
         return self.total / self.lower_bound if self.lower_bound else float("inf")
 
+    def to_record(self) -> dict[str, Any]:
+        """Everything, buffers and provenance included, as JSON-able data (`from_record`)."""
+        record = dataclasses.asdict(self)
+        record["params"] = dict(self.params)
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> MemoryReport:
+        """The report `to_record` wrote."""
+        fields = dict(record)
+        fields["provenance"] = Provenance(**fields["provenance"])
+        fields["buffers"] = tuple(Buffer(**b) for b in fields.get("buffers", ()))
+        return cls(**fields)
+
     def to_json(self) -> dict[str, Any]:
         """The CLI's per-variant object: bytes as integers."""
         return {
@@ -71,6 +87,11 @@ class MemoryReport:
         }
 
 
+def _is_pmap(fn: Any) -> bool:
+    # jax.pmap gives a plain function with a `lower` attribute (a PmapFunction before 0.8).
+    return hasattr(fn, "lower") and (inspect.isfunction(fn) or type(fn).__name__ == "PmapFunction")
+
+
 def _lowerable(fn: Callable[..., Any]) -> Any:
     if not callable(fn):
         raise RunbookError(f"`fn` must be a callable, got {type(fn).__name__}.")
@@ -88,8 +109,29 @@ def compile_fn(
     fn: Callable[..., Any],
     *args: Any,
     compiler_options: Mapping[str, Any] | None = None,
+    target: str | None = None,
 ) -> Any:
-    """Lower and compile `fn` for `args` (arrays or `jax.ShapeDtypeStruct`s)."""
+    """Lower and compile `fn` for `args` (arrays or `jax.ShapeDtypeStruct`s).
+
+    With `target` (see `runbook.targets()`), compile with that device's compiler: the inputs
+    are placed on its compile-only devices, and a program too large for one device raises
+    `DoesNotFitError` with the compiler's figures.
+    """
+    if target is not None:
+        t = _targets.require(target)
+        with _targets.compiling_for(t):
+            options = {**_targets.compiler_options(t), **(compiler_options or {})}
+            placed = _targets.place(args, t, unsharded=not _is_pmap(fn))
+            compiled = compile_fn(fn, *placed, compiler_options=options)
+        platforms = {d.platform for d in _devices(compiled)}
+        if platforms - set(
+            t.device_platforms
+        ):  # e.g. a jax.pmap built without the target's devices
+            raise RunbookError(
+                f"`{getattr(fn, '__name__', 'fn')}` compiled for {', '.join(sorted(platforms))}, "
+                f"not for target {t.name!r}: build it on `runbook.target_devices({t.name!r}, n)`"
+            )
+        return compiled
     lowerable = _lowerable(fn)
     name = getattr(fn, "__name__", type(fn).__name__)
     try:
@@ -105,7 +147,31 @@ def compile_fn(
     try:
         return lowered.compile(dict(compiler_options or {}))
     except Exception as e:  # XLA reports bad options and failed compiles as plain errors
+        found = _targets.oom_figures(str(e))
+        if found is not None:
+            needed, limit, what = found
+            raise DoesNotFitError(
+                f"`{name}` does not fit one device: the compiler needs {needed:,} bytes of "
+                f"{what}, the device allows {limit:,}",
+                needed=needed,
+                limit=limit,
+                what=what,
+            ) from e
         raise RunbookError(f"XLA could not compile `{name}`: {_first_line(e, 300)}") from e
+
+
+def _devices(compiled: Any) -> set[Any]:
+    """The devices the compiled program's inputs live on."""
+    try:
+        shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
+    except Exception:  # noqa: BLE001 - older releases keep no input shardings
+        return set()
+    return {d for s in shardings for d in s.device_set}
+
+
+def _devices_used(compiled: Any) -> int:
+    """How many devices the compiled program runs on."""
+    return max(len(_devices(compiled)), 1)
 
 
 def measure(
@@ -114,6 +180,7 @@ def measure(
     name: str | None = None,
     compiler_options: Mapping[str, Any] | None = None,
     buffers: bool = False,
+    target: str | None = None,
 ) -> MemoryReport:
     """Compile `fn` for `args` and report its memory, allocating nothing.
 
@@ -124,9 +191,16 @@ def measure(
         compiler_options: XLA options for this compilation only, e.g.
             ``{"xla_cpu_experimental_ynn_fusion_type": ""}``.
         buffers: also read back the buffer assignment, to list the largest buffers.
+        target: compile for this device instead of this process's backend (a name from
+            `runbook.targets()`, e.g. ``"h100"`` or ``"v5e"``): a compile-time prediction
+            for a device this machine need not have.
 
     Returns:
         A `MemoryReport` with bytes per device.
+
+    Raises:
+        DoesNotFitError: the target's compiler refused the program as too large for one
+            device; the error carries the bytes it needs and the device's limit.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -142,19 +216,23 @@ def measure(
         if buffers:
             options["xla_dump_to"] = dump
         start = time.perf_counter()
-        compiled = compile_fn(fn, *args, compiler_options=options)
+        compiled = compile_fn(fn, *args, compiler_options=options, target=target)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()
         found = tuple(parse_dump(pathlib.Path(dump))) if buffers else ()
     if stats is None:
-        raise RunbookError(f"the {jax.default_backend()} backend reports no memory analysis.")
+        where = target or jax.default_backend()
+        raise RunbookError(f"the {where} compiler reports no memory analysis.")
+    provenance = (
+        Provenance.for_target(target, _devices_used(compiled)) if target else Provenance.current()
+    )
     return MemoryReport(
         name=name or getattr(fn, "__name__", "fn"),
         argument=int(stats.argument_size_in_bytes),
         output=int(stats.output_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),
         alias=int(stats.alias_size_in_bytes),
-        provenance=Provenance.current(),
+        provenance=provenance,
         compile_seconds=seconds,
         buffers=found,
     )

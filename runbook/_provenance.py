@@ -21,6 +21,12 @@ class Provenance:
     jaxlib: str
     machine: str
     date: str
+    target: str = ""  # a target's name (see `runbook.targets()`): compiled for it, not run
+
+    @property
+    def compile_only(self) -> bool:
+        """True for figures compiled for a target device this machine does not have."""
+        return bool(self.target)
 
     @classmethod
     def current(cls) -> Provenance:
@@ -36,8 +42,30 @@ class Provenance:
             date=datetime.date.today().isoformat(),
         )
 
+    @classmethod
+    def for_target(cls, name: str, devices: int) -> Provenance:
+        """Figures compiled for target `name` on `devices` of its devices, on this machine."""
+        from ._targets import get_target
+
+        target = get_target(name)
+        here = cls.current()
+        return dataclasses.replace(
+            here,
+            backend=target.platform,
+            device_kind=target.label,
+            devices=devices,
+            target=target.name,
+        )
+
     def label(self) -> str:
         """One line for figure captions and table footers."""
+        if self.target:
+            return (
+                f"{self.device_kind} target ({self.devices} device"
+                f"{'s' if self.devices != 1 else ''}), compiled by XLA's "
+                f"{'GPU' if self.backend == 'cuda' else self.backend.upper()} compiler without "
+                f"the device (a prediction), jax {self.jax} / jaxlib {self.jaxlib}"
+            )
         return (
             f"{self.backend.upper()} ({self.device_kind}, {self.devices} device"
             f"{'s' if self.devices != 1 else ''}), jax {self.jax} / jaxlib {self.jaxlib}"

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _subprocess
+from .. import _subprocess, _targets
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._measure import compile_fn, measure
@@ -74,14 +74,15 @@ def vmap_sum(inds: jax.Array, inputs: jax.Array, width: int) -> jax.Array:
     return jnp.sum(jax.vmap(lambda i: expensive(inputs[i], width))(inds))
 
 
-def pmapped(body, width: int, *, sharded: bool = False):
+def pmapped(body, width: int, *, sharded: bool = False, devices=None):
     """``jax.pmap`` of `body`: the input replicated (``in_axes=None``) or split by rows."""
-    return jax.pmap(functools.partial(body, width=width), in_axes=(0, 0 if sharded else None))
+    in_axes = (0, 0 if sharded else None)
+    return jax.pmap(functools.partial(body, width=width), in_axes=in_axes, devices=devices)
 
 
-def shard_mapped(body, width: int, devices: int = DEVICES):
-    """The recommended fix: `jax.jit` + `jax.shard_map`, rows sharded, loop rolled."""
-    mesh = jax.make_mesh((devices,), ("d",))
+def shard_mapped(body, width: int, mesh: jax.sharding.Mesh):
+    """The recommended fix: `jax.jit` + `jax.shard_map` over `mesh`'s axis "d", rows
+    sharded, loop rolled."""
 
     def per_device(inds, rows):  # inds: (1, k) local row numbers; rows: this device's rows
         return body(inds[0], rows, width)[None]
@@ -110,8 +111,13 @@ def _inputs(scale, concrete):
     return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(scale["row"])).astype(np.float32)
 
 
-def _mesh():
-    return jax.make_mesh((DEVICES,), ("d",))
+def _mesh() -> jax.sharding.Mesh:
+    """The case's devices in a mesh: this process's, or a target's when compiling for one."""
+    return jax.sharding.Mesh(np.array(_targets.devices(DEVICES)), ("d",))
+
+
+def _pmapped(body, *, sharded: bool = False):
+    return pmapped(body, _WIDTH, sharded=sharded, devices=_targets.devices(DEVICES))
 
 
 def replicated_args(scale, params, concrete):
@@ -214,39 +220,39 @@ CASE = Case(
             "pmap-loop",
             "reproduction",
             "pmap, whole input replicated, Python for loop",
-            lambda p: pmapped(loop_sum, _WIDTH),
+            lambda p: _pmapped(loop_sum),
         ),
         Variant(
             "pmap-fori",
             "fix",
             "pmap, whole input replicated, lax.fori_loop",
-            lambda p: pmapped(fori_sum, _WIDTH),
+            lambda p: _pmapped(fori_sum),
         ),
         Variant(
             "pmap-map",
             "fix",
             "pmap, whole input replicated, lax.map(batch_size=4)",
-            lambda p: pmapped(map_sum, _WIDTH),
+            lambda p: _pmapped(map_sum),
             since="jax.lax.map(batch_size=)",
         ),
         Variant(
             "pmap-vmap",
             "fix",
             "pmap, whole input replicated, jax.vmap over iterations",
-            lambda p: pmapped(vmap_sum, _WIDTH),
+            lambda p: _pmapped(vmap_sum),
         ),
         Variant(
             "pmap-sharded",
             "fix",
             "pmap, input split by rows (in_axes=0), Python for loop",
-            lambda p: pmapped(loop_sum, _WIDTH, sharded=True),
+            lambda p: _pmapped(loop_sum, sharded=True),
             args=sharded_pmap_args,
         ),
         Variant(
             "shard_map-fori",
             "fix",
             "recommended: jit + shard_map, input sharded by rows, lax.fori_loop",
-            lambda p: shard_mapped(fori_sum, _WIDTH),
+            lambda p: shard_mapped(fori_sum, _WIDTH, _mesh()),
             args=sharded_jit_args,
             since="jax.shard_map",
         ),

@@ -1,0 +1,97 @@
+"""A content-addressed store of measurements, so that pages re-measure only what changed.
+
+Off unless ``RUNBOOK_CACHE_DIR`` names a folder (``nox -s docs`` sets it). An entry's key
+hashes everything its figures depend on: the source of the measurement core and of the
+case's own module, the JAX, jaxlib and compiler-plugin versions, the XLA/JAX environment,
+and the request itself (case, scale, variant, grid point, target, options). Edit a case
+module and only that case's entries miss; edit the core and every entry misses. Nothing is
+ever invalidated in place: a changed input is a different key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+PACKAGE = pathlib.Path(__file__).resolve().parent
+ENV_VAR = "RUNBOOK_CACHE_DIR"
+_ENV_PREFIXES = ("XLA_", "JAX_", "TPU_", "CUDA_VISIBLE_DEVICES")
+_DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "nvidia-cuda-nvcc-cu12")
+
+
+def directory() -> pathlib.Path | None:
+    """The cache folder, or None when caching is off."""
+    value = os.environ.get(ENV_VAR)
+    return pathlib.Path(value) if value else None
+
+
+def _hash_files(paths: list[pathlib.Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def core_hash() -> str:
+    """The measurement core: every module of the package but the cases."""
+    return _hash_files([p for p in PACKAGE.rglob("*.py") if "cases" not in p.parts])
+
+
+@functools.cache
+def module_hash(module: str) -> str:
+    """One case module's source (``runbook.cases.gather_grad``)."""
+    relative = module.split(".", 1)[1].replace(".", "/") + ".py"
+    return _hash_files([PACKAGE / relative])
+
+
+@functools.cache
+def _versions() -> dict[str, str | None]:
+    found = {}
+    for dist in _DISTRIBUTIONS:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    return found
+
+
+def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
+    """The key of `request` (JSON-able), with the sources and environment it depends on."""
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+    env.pop(ENV_VAR, None)
+    payload = {
+        "request": request,
+        "core": core_hash(),
+        "module": module_hash(module) if module else None,
+        "versions": _versions(),
+        "env": env,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cached(
+    request: Mapping[str, Any], compute: Callable[[], Any], *, module: str | None = None
+) -> Any:
+    """`compute()`'s JSON-able result, stored under `request`'s key; computed once per key."""
+    folder = directory()
+    if folder is None:
+        return compute()
+    digest = key(request, module=module)
+    path = folder / digest[:2] / f"{digest}.json"
+    if path.exists():
+        return json.loads(path.read_text())["value"]
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write then rename: pages running in parallel never read half a file.
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump({"request": request, "value": value}, f, default=str)
+    pathlib.Path(f.name).replace(path)
+    return value

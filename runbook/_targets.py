@@ -1,0 +1,459 @@
+"""Compile for an accelerator without having one: GPU and TPU targets.
+
+XLA's GPU compiler (from ``jax-cuda12-plugin``) and TPU compiler (from ``libtpu``) run on
+any Linux x86-64 machine. `jax.experimental.topologies` makes compile-only devices of a
+target, and a program whose inputs are placed on them is compiled, buffer assignment and
+all, by that target's compiler. Nothing runs, so every figure is a compile-time prediction.
+
+A GPU target is described to XLA by a ``GpuTargetConfigProto``: the hardware facts below,
+taken from each GPU's published specifications (memory, streaming multiprocessors, compute
+capability, bandwidth, L2 cache, clock) and from the per-compute-capability limits in
+NVIDIA's CUDA C++ Programming Guide. A TPU target is one of libtpu's own topologies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ._errors import RunbookError, UnknownNameError
+from ._quiet import plugin_chatter
+
+# JAX preallocates this share of a GPU's memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION).
+GPU_ALLOCATOR_FRACTION = 0.75
+GPU_ALLOCATOR_SOURCE = "https://docs.jax.dev/en/latest/gpu_memory_allocation.html"
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    """Per-compute-capability limits (CUDA C++ Programming Guide, compute capabilities table)."""
+
+    shared_per_core: int  # shared memory per SM, bytes
+    shared_per_block_optin: int
+    threads_per_core: int
+    fp32_per_core: int  # FP32 units ("CUDA cores") per SM
+    registers_per_core: int = 65536
+
+
+# XLA's cost model divides by `fpus_per_core`: left out, it changes which fusions XLA makes
+# (the gather-grad gradient on an H100 goes from 96 GiB to 288 GiB), so every field matters.
+_ARCH = {
+    (7, 0): _Arch(96 * 1024, 96 * 1024, 2048, 64),
+    (7, 5): _Arch(64 * 1024, 64 * 1024, 1024, 64),
+    (8, 0): _Arch(164 * 1024, 163 * 1024, 2048, 64),
+    (8, 9): _Arch(100 * 1024, 99 * 1024, 1536, 128),
+    (9, 0): _Arch(228 * 1024, 227 * 1024, 2048, 128),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """A GPU's published figures: what XLA's GPU compiler is told about the device."""
+
+    compute_capability: tuple[int, int]
+    cores: int  # streaming multiprocessors
+    memory_bandwidth: float  # bytes/s
+    l2_cache: int  # bytes
+    clock_ghz: float  # boost clock
+
+    def target_config(self, name: str, memory: int) -> str:
+        """The ``GpuTargetConfigProto`` in text format."""
+        arch = _ARCH[self.compute_capability]
+        major, minor = self.compute_capability
+        fields = {
+            "threads_per_block_limit": 1024,
+            "threads_per_warp": 32,
+            "shared_memory_per_block": 48 * 1024,
+            "shared_memory_per_core": arch.shared_per_core,
+            "shared_memory_per_block_optin": arch.shared_per_block_optin,
+            "threads_per_core_limit": arch.threads_per_core,
+            "core_count": self.cores,
+            "fpus_per_core": arch.fp32_per_core,
+            "block_dim_limit_x": 2**31 - 1,
+            "block_dim_limit_y": 65535,
+            "block_dim_limit_z": 65535,
+            "thread_dim_limit_x": 1024,
+            "thread_dim_limit_y": 1024,
+            "thread_dim_limit_z": 64,
+            "memory_bandwidth": int(self.memory_bandwidth),
+            "l2_cache_size": self.l2_cache,
+            "clock_rate_ghz": self.clock_ghz,
+            "device_memory_size": memory,
+            "registers_per_core_limit": arch.registers_per_core,
+            "registers_per_block_limit": 65536,
+        }
+        body = "\n".join(f"  {k}: {v}" for k, v in fields.items())
+        return (
+            f"gpu_device_info {{\n{body}\n"
+            f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
+            f'platform_name: "CUDA"\ndevice_description_str: "{name}"\n'
+        )
+
+
+# libtpu topology names by device count, per TPU generation: libtpu accepts these names,
+# not the cloud's slice names ("v5p-8").
+_TPU_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_TPU_3D = {
+    4: "2x2x1",
+    8: "2x2x2",
+    16: "2x2x4",
+    32: "2x4x4",
+    64: "4x4x4",
+    128: "4x4x8",
+    256: "4x8x8",
+}
+_TPU_7X = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A device to compile for without having it.
+
+    Attributes:
+        name: what you pass as ``target=`` (``"h100"``).
+        label: the product, for captions.
+        platform: ``"cuda"`` or ``"tpu"``.
+        memory: the device's memory in bytes (nominal, per JAX device).
+        source: where the hardware figures come from.
+    """
+
+    name: str
+    label: str
+    platform: str
+    memory: int
+    source: str
+    gpu: GpuSpec | None = None
+    tpu: tuple[str, Mapping[int, str]] | None = None  # (generation, topologies by count)
+
+    @property
+    def device_platforms(self) -> tuple[str, ...]:
+        """What `jax.Device.platform` says for this target's devices."""
+        return ("gpu", "cuda") if self.platform == "cuda" else ("tpu",)
+
+    @property
+    def kind(self) -> str:
+        return "GPU" if self.platform == "cuda" else "TPU"
+
+    def usable(self) -> int:
+        """Bytes a program may use per device by default.
+
+        GPU: the share JAX's allocator preallocates (`GPU_ALLOCATOR_FRACTION`, see
+        `GPU_ALLOCATOR_SOURCE`). TPU: the HBM XLA's TPU compiler allows a program, as XLA
+        reports it (to 0.01 GiB).
+        """
+        if self.platform == "cuda":
+            return int(GPU_ALLOCATOR_FRACTION * self.memory)
+        return _tpu_usable_hbm(self.name)
+
+    def usable_rule(self) -> str:
+        """How `usable()` is defined, in words."""
+        if self.platform == "cuda":
+            return f"JAX's default GPU allocator share, {GPU_ALLOCATOR_FRACTION:.0%} of memory"
+        return "usable HBM as XLA's TPU compiler reports it"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "device_kind": self.label, "memory": self.memory}
+
+
+_NVIDIA = "NVIDIA's product datasheet; per-architecture limits from the CUDA C++ Programming Guide"
+_TARGETS = (
+    Target("h100", "NVIDIA H100 SXM 80GB", "cuda", 80 * GiB, _NVIDIA,
+           gpu=GpuSpec((9, 0), 132, 3.35e12, 50 * 2**20, 1.98)),
+    Target("h200", "NVIDIA H200 SXM 141GB", "cuda", 141 * GiB, _NVIDIA,
+           gpu=GpuSpec((9, 0), 132, 4.8e12, 50 * 2**20, 1.98)),
+    Target("a100", "NVIDIA A100 SXM 80GB", "cuda", 80 * GiB, _NVIDIA,
+           gpu=GpuSpec((8, 0), 108, 2.039e12, 40 * 2**20, 1.41)),
+    Target("l4", "NVIDIA L4 24GB", "cuda", 24 * GiB, _NVIDIA,
+           gpu=GpuSpec((8, 9), 58, 300e9, 48 * 2**20, 2.04)),
+    Target("t4", "NVIDIA T4 16GB", "cuda", 16 * GiB, _NVIDIA,
+           gpu=GpuSpec((7, 5), 40, 320e9, 4 * 2**20, 1.59)),
+    Target("v5e", "TPU v5e", "tpu", 16 * GiB, "Google Cloud TPU documentation; topology from libtpu",
+           tpu=("v5e", _TPU_2D)),
+    Target("v5p", "TPU v5p", "tpu", 95 * GiB, "Google Cloud TPU documentation; topology from libtpu",
+           tpu=("v5p", _TPU_3D)),
+    Target("v6e", "TPU v6e (Trillium)", "tpu", 32 * GiB,
+           "Google Cloud TPU documentation; topology from libtpu", tpu=("v6e", _TPU_2D)),
+    Target("tpu7x", "TPU7x (Ironwood), per TensorCore", "tpu", 96 * GiB,
+           "Google Cloud TPU documentation (192 GiB per chip, two TensorCores, each a JAX "
+           "device); topology from libtpu", tpu=("tpu7x", _TPU_7X)),
+)  # fmt: skip
+
+
+def targets() -> list[Target]:
+    """Every target this runbook can compile for (whether this machine can is `unavailable`)."""
+    return list(_TARGETS)
+
+
+def target_names() -> list[str]:
+    return [t.name for t in _TARGETS]
+
+
+def get_target(name: str | Target) -> Target:
+    """The `Target` called `name` (see `targets()`)."""
+    if isinstance(name, Target):
+        return name
+    for t in _TARGETS:
+        if t.name == name:
+            return t
+    raise UnknownNameError(f"unknown target {name!r}; valid: {', '.join(target_names())}")
+
+
+# --- can this machine compile for it? --------------------------------------------------------
+
+INSTALL_HINT = 'install the compilers with `pip install "jax-memory-runbook[targets]"`'
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def unavailable(name: str | Target) -> str | None:
+    """Why this machine cannot compile for `name`, in one line; None when it can."""
+    target = get_target(name)
+    machine = f"{platform.system()} {platform.machine()}"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return (
+            f"{target.kind} targets need XLA's {target.kind} compiler, which is published for "
+            f"Linux x86-64 only; this machine is {machine}"
+        )
+    import jaxlib
+
+    if target.platform == "cuda":
+        plugin = _version("jax-cuda12-plugin")
+        if plugin is None:
+            return f"no GPU compiler: jax-cuda12-plugin is not installed; {INSTALL_HINT}"
+        if plugin != jaxlib.__version__:
+            return (
+                f"jax-cuda12-plugin {plugin} does not match jaxlib {jaxlib.__version__}; "
+                f"{INSTALL_HINT}"
+            )
+        return None
+    if importlib.util.find_spec("libtpu") is None:
+        return f"no TPU compiler: libtpu is not installed; {INSTALL_HINT}"
+    return None
+
+
+def require(name: str | Target) -> Target:
+    """The target, or a `RunbookError` saying in one line why it cannot be compiled for here."""
+    target = get_target(name)
+    reason = unavailable(target)
+    if reason:
+        raise RunbookError(f"cannot compile for target {target.name!r}: {reason}")
+    return target
+
+
+# --- compile-only devices ---------------------------------------------------------------------
+
+# libtpu reads these when it loads. None is needed to compile (checked by the tests): they stop
+# it from asking a cloud metadata server about a TPU that is not there, and from warning.
+_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+def _ensure_cuda_plugin() -> None:
+    """Register the CUDA plugin's compiler where JAX's own start-up did not.
+
+    Without a GPU, the plugin's start-up check fails unless ``JAX_PLATFORMS`` excludes CUDA;
+    the plugin then never registers and JAX knows no "cuda" topology. Its compiler needs no
+    GPU, so register it directly (JAX's private plugin API, checked by the tests).
+    """
+    from jax._src import xla_bridge as xb
+
+    with plugin_chatter():
+        xb._discover_and_register_pjrt_plugins()
+    if "cuda" in xb._topology_factories:
+        return
+    from jax._src.lib import xla_client
+    from jax_plugins import xla_cuda12
+
+    path = xla_cuda12._get_library_path()
+    if path is None:
+        raise RunbookError(f"jax-cuda12-plugin's library is missing; {INSTALL_HINT}")
+    xb.register_plugin(
+        "cuda",
+        priority=500,
+        library_path=str(path),
+        options=xla_client.generate_pjrt_gpu_plugin_options(),
+    )
+
+
+@functools.cache
+def _devices(name: str, count: int) -> tuple[Any, ...]:
+    from jax.experimental import topologies
+
+    target = require(name)
+    if target.gpu is not None:
+        _ensure_cuda_plugin()
+        hosts, per_host = (1, count) if count <= 8 else (count // 8, 8)
+        topo = topologies.get_topology_desc(
+            platform="cuda",
+            target_config=target.gpu.target_config(target.label, target.memory),
+            topology=f"1x{hosts}x{per_host}",
+        )
+    else:
+        assert target.tpu is not None
+        for key, value in _TPU_ENV.items():
+            os.environ.setdefault(key, value)
+        generation, shapes = target.tpu
+        fitting = [n for n in shapes if n >= count]
+        if not fitting:
+            raise RunbookError(f"target {name!r} has no topology of {count} devices here")
+        with plugin_chatter():  # libtpu, loaded here, logs that this machine has no TPU
+            topo = topologies.get_topology_desc(
+                f"{generation}:{shapes[min(fitting)]}", platform="tpu"
+            )
+    devices = tuple(topo.devices[:count])
+    if len(devices) < count:
+        raise RunbookError(f"target {name!r}: asked for {count} devices, got {len(devices)}")
+    return devices
+
+
+def target_devices(name: str | Target, count: int = 1) -> list[Any]:
+    """`count` compile-only devices of target `name`: place inputs on them to compile for it."""
+    return list(_devices(get_target(name).name, count))
+
+
+_ACTIVE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("target", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(name: str | Target | None) -> Iterator[Target | None]:
+    """Inside, `devices()` gives the target's compile-only devices (None: this process's)."""
+    target = None if name is None else require(name)
+    token = _ACTIVE.set(target)
+    try:
+        yield target
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Target | None:
+    """The target `compiling_for` set, or None."""
+    return _ACTIVE.get()
+
+
+def devices(count: int = 1) -> list[Any]:
+    """The devices a case builds its meshes and pmaps on: the active target's, or JAX's own."""
+    target = _ACTIVE.get()
+    if target is not None:
+        return target_devices(target, count)
+    import jax
+
+    return jax.devices()[:count]
+
+
+def compiler_options(name: str | Target) -> dict[str, Any]:
+    """XLA options every compile for this target gets.
+
+    GPU: the PTX assembler from the ``nvidia-cuda-nvcc-cu12`` wheel, so that the figures do
+    not depend on which CUDA toolkit (if any) this machine has. TPU: keep going past the
+    chip's memory, so that a program too big for one chip still reports what it needs
+    (as long as no single buffer exceeds the chip).
+    """
+    target = get_target(name)
+    if target.platform == "cuda":
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+        if spec is not None and spec.submodule_search_locations:
+            return {"xla_gpu_cuda_data_dir": str(next(iter(spec.submodule_search_locations)))}
+        return {}
+    return {"xla_tpu_no_crash_on_oom": True}
+
+
+# --- placing abstract inputs on a target -------------------------------------------------------
+
+
+def place(args: Sequence[Any], name: str | Target, *, unsharded: bool = True) -> tuple[Any, ...]:
+    """`args` as `jax.ShapeDtypeStruct`s on the target's devices, shardings kept.
+
+    An input without a sharding goes to the target's first device (left as it is when not
+    `unsharded`: a `jax.pmap` places its inputs itself); one sharded over a mesh of this
+    process's devices is sharded the same way over a mesh of target devices.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    target = get_target(name)
+    mine = {id(d) for d in target_devices(target, 1)}
+
+    def one(leaf: Any) -> Any:
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            return leaf
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            mesh = sharding.mesh
+            if not any(id(d) in mine for d in mesh.devices.flat):
+                devs = target_devices(target, mesh.devices.size)
+                mesh = Mesh(np.array(devs).reshape(mesh.devices.shape), mesh.axis_names)
+            sharding = NamedSharding(mesh, sharding.spec)
+        elif not unsharded:
+            return leaf
+        else:
+            mesh = Mesh(target_devices(target, 1), ("_",))
+            sharding = NamedSharding(mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return tuple(jax.tree_util.tree_map(one, list(args)))
+
+
+# --- what a target's compiler says when a program does not fit ---------------------------------
+
+_SIZE = re.compile(r"([\d.]+)([KMGT]?)(?:i?B)?")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """XLA's human-readable bytes ("15.75G", "2.00T", "512B") as an integer.
+
+    Examples:
+        >>> parse_size("15.75G")
+        16911433728
+        >>> parse_size("512B")
+        512
+    """
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"not a size: {text!r}")
+    return int(float(m[1]) * _UNITS[m[2]])
+
+
+_NEEDS = re.compile(r"required for HLO temporaries \(([^)]+)\) exceeds available HBM \(([^)]+)\)")
+_ALLOCATION = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)")
+
+
+def oom_figures(message: str) -> tuple[int, int, str] | None:
+    """(bytes needed, bytes allowed, what) from a compiler's out-of-memory error, or None."""
+    if (m := _NEEDS.search(message)) is not None:
+        return parse_size(m[1]), parse_size(m[2]), "HLO temporaries"
+    if (m := _ALLOCATION.search(message)) is not None:
+        return int(m[1]), int(m[2]), "one buffer"
+    return None
+
+
+@functools.cache
+def _tpu_usable_hbm(name: str) -> int:
+    """Compile a program no chip can hold and read the limit XLA's refusal names."""
+    import jax
+    import jax.numpy as jnp
+
+    (arg,) = place([jax.ShapeDtypeStruct((2**38,), jnp.float32)], name)
+    try:
+        jax.jit(lambda a: a * 2).lower(arg).compile()
+    except Exception as e:
+        found = oom_figures(str(e))
+        if found is not None:
+            return found[1]
+        raise RunbookError(f"target {name!r}: could not read its usable memory: {e}") from e
+    raise RunbookError(f"target {name!r}: a 1 TiB program compiled; cannot read its memory limit")
