@@ -7,9 +7,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ._case import case_names, get_case, measure_case
+from ._case import CaseResult, case_names, get_case, measure_case
 from ._errors import RunbookError
-from ._render import report_table
+from ._render import fmt_bytes, report_table
+from ._targets import get_target, target_names, targets, unavailable
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,10 +22,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m runbook", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("list", help="list the cases")
+    sub.add_parser("targets", help="list the GPU and TPU targets to compile for")
     run = sub.add_parser("run", help="measure every variant of a case")
     run.add_argument("case", help=f"one of: {', '.join(case_names())}")
     run.add_argument(
         "--scale", default="seed", help="seed (default, abstract shapes) or a smaller one"
+    )
+    run.add_argument(
+        "--target",
+        help=f"compile for this device instead of this machine's backend: {', '.join(target_names())}",
     )
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -40,17 +46,53 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{name:<12} {case.symptom} (scales: {', '.join(case.scales)})")
             return 0
 
+        if args.command == "targets":
+            _print_targets()
+            return 0
+
         def progress(line: str) -> None:
             if not args.quiet:
                 print(line, file=sys.stderr, flush=True)
 
-        result = measure_case(args.case, args.scale, progress=progress)
+        if args.target is not None:
+            get_target(args.target)  # an unknown name fails before the case is loaded
+        result = measure_case(args.case, args.scale, target=args.target, progress=progress)
     except RunbookError as e:
         print(f"runbook: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
-        print(report_table(result.reports))
-        print(f"\n{result.provenance.label()}; bytes per device; scale {args.scale!r}")
+        _print_result(result, args.scale)
     return 0
+
+
+def _print_targets() -> None:
+    print(f"{'name':<7} {'device':<34} {'memory':>11}  {'usable by default':<24} compiler here")
+    for t in targets():
+        reason = unavailable(t)
+        usable = "75% (JAX's allocator)" if t.platform == "cuda" else "XLA's usable HBM"
+        here = "yes" if reason is None else f"no: {reason}"
+        print(f"{t.name:<7} {t.label:<34} {fmt_bytes(t.memory):>11}  {usable:<24} {here}")
+
+
+def _print_result(result: CaseResult, scale: str) -> None:
+    if result.reports:
+        print(report_table(result.reports))
+    for entry in result.skipped:
+        params = ", ".join(f"{k}={v}" for k, v in entry["params"].items())
+        if entry["status"] == "does not fit":
+            print(
+                f"{entry['name']} ({params}): DOES NOT FIT one device: the compiler needs "
+                f"{fmt_bytes(entry['needed'])} of {entry['what']}, the device allows "
+                f"{fmt_bytes(entry['limit'])}"
+            )
+        else:
+            print(f"{entry['name']} ({params}): {entry['status']}: {entry['reason']}")
+    target = result.target
+    if target is not None:
+        print(
+            f"\n{target.label}: {fmt_bytes(target.memory)} per device; "
+            f"{target.usable_rule()}: {fmt_bytes(target.usable())}"
+        )
+    print(f"\n{result.provenance.label()}; bytes per device; scale {scale!r}")

@@ -16,6 +16,7 @@ from . import _targets
 from ._buffers import Buffer, parse_dump
 from ._errors import DoesNotFitError, RunbookError
 from ._provenance import Provenance
+from ._quiet import start_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,10 @@ def compile_fn(
         with _targets.compiling_for(t):
             options = {**_targets.compiler_options(t), **(compiler_options or {})}
             placed = _targets.place(args, t, unsharded=not _is_pmap(fn))
-            compiled = compile_fn(fn, *placed, compiler_options=options)
+            try:
+                compiled = compile_fn(fn, *placed, compiler_options=options)
+            except DoesNotFitError as e:
+                raise _whole_program_need(e, fn, placed, options) from e
         platforms = {d.platform for d in _devices(compiled)}
         if platforms - set(
             t.device_platforms
@@ -134,6 +138,7 @@ def compile_fn(
         return compiled
     lowerable = _lowerable(fn)
     name = getattr(fn, "__name__", type(fn).__name__)
+    start_backend()
     try:
         lowered = lowerable.lower(*args)
     except jax.errors.ConcretizationTypeError as e:  # also covers bool() of a tracer
@@ -158,6 +163,32 @@ def compile_fn(
                 what=what,
             ) from e
         raise RunbookError(f"XLA could not compile `{name}`: {_first_line(e, 300)}") from e
+
+
+def _whole_program_need(
+    error: DoesNotFitError, fn: Callable[..., Any], args: Any, options: Mapping[str, Any]
+) -> DoesNotFitError:
+    """Past a single buffer too large for the chip, what does the whole program need?
+
+    TPU compiles keep going past the chip's memory (`_targets.compiler_options`) until one
+    buffer alone exceeds it. Compiled again without that option, XLA stops at its first
+    check and names the total of temporaries it would need, the figure a reader wants.
+    """
+    if error.what != "one buffer" or "xla_tpu_no_crash_on_oom" not in options:
+        return error
+    strict = {k: v for k, v in options.items() if k != "xla_tpu_no_crash_on_oom"}
+    try:
+        compile_fn(fn, *args, compiler_options=strict)
+    except DoesNotFitError as e:
+        if e.what != "one buffer":
+            return DoesNotFitError(
+                f"{e} (its largest buffer alone needs {error.needed:,} bytes, the chip "
+                f"holds {error.limit:,})",
+                needed=e.needed,
+                limit=e.limit,
+                what=e.what,
+            )
+    return error
 
 
 def _devices(compiled: Any) -> set[Any]:

@@ -9,6 +9,8 @@ import platform
 import jax
 import jaxlib
 
+from ._quiet import start_backend
+
 
 @dataclasses.dataclass(frozen=True)
 class Provenance:
@@ -31,6 +33,7 @@ class Provenance:
     @classmethod
     def current(cls) -> Provenance:
         """Describe the running process's default JAX backend."""
+        start_backend()
         device = jax.devices()[0]
         return cls(
             backend=jax.default_backend(),

@@ -46,3 +46,17 @@ def plugin_chatter() -> Iterator[None]:
             kept = [ln for ln in text.splitlines() if ln.strip() and not EXPECTED.search(ln)]
             if kept:
                 os.write(fd, ("\n".join(kept) + "\n").encode())
+
+
+_started = False
+
+
+def start_backend() -> None:
+    """Start JAX's backend (once) with the plugins' chatter filtered; a no-op after that."""
+    global _started
+    if not _started:
+        import jax
+
+        with plugin_chatter():
+            jax.devices()
+        _started = True
