@@ -214,6 +214,7 @@ def measure_case(
     target: str | None = None,
     buffers: bool = False,
     variants: Sequence[str] | None = None,
+    at: Mapping[str, Any] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CaseResult:
@@ -231,6 +232,7 @@ def measure_case(
             ``skipped`` with the compiler's figures.
         buffers: keep the largest buffers of each program (root-cause evidence).
         variants: only these variants (default: all).
+        at: only the grid points whose params include these, e.g. ``{"iterations": 32}``.
         compiler_options: XLA options replacing the case's own (``{}``: XLA's defaults).
         progress: called with a line per measured program.
     """
@@ -246,13 +248,14 @@ def measure_case(
             scale=scale,
             buffers=buffers,
             variants=list(variants) if variants else None,
+            at=dict(at) if at else None,
             compiler_options=None if compiler_options is None else dict(compiler_options),
         )
         return CaseResult.from_json(data["result"], data["buffers"])
     t = _targets.require(target) if target is not None else None
     with _targets.compiling_for(t):
         reports, skipped = _measure_variants(
-            case, scale, t, buffers, variants, compiler_options, progress
+            case, scale, t, buffers, variants, at, compiler_options, progress
         )
     provenance = (
         Provenance.for_target(t.name, case.devices) if t is not None else Provenance.current()
@@ -266,6 +269,7 @@ def _measure_variants(
     target: _targets.Target | None,
     buffers: bool,
     variants: Sequence[str] | None,
+    at: Mapping[str, Any] | None,
     compiler_options: Mapping[str, Any] | None,
     progress: Callable[[str], None] | None,
 ) -> tuple[list[MemoryReport], list[dict[str, Any]]]:
@@ -280,6 +284,8 @@ def _measure_variants(
         if variants and variant.name not in variants:
             continue
         for params in case.grid(size):
+            if at and any(params.get(k) != v for k, v in at.items()):
+                continue
             where = {"name": variant.name, "role": variant.role, "params": dict(params)}
             if not case.available(variant):
                 skipped.append(
@@ -343,10 +349,15 @@ def _measure_one(
 
 
 def _measure_json(
-    name: str, scale: str, buffers: bool, variants: list[str] | None, compiler_options: dict | None
+    name: str,
+    scale: str,
+    buffers: bool,
+    variants: list[str] | None,
+    at: dict | None,
+    compiler_options: dict | None,
 ) -> dict:
     result = measure_case(
-        name, scale, buffers=buffers, variants=variants, compiler_options=compiler_options
+        name, scale, buffers=buffers, variants=variants, at=at, compiler_options=compiler_options
     )
     return {
         "result": result.to_json(),

@@ -17,6 +17,7 @@ from jax import lax
 
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
+from .._errors import RunbookError
 from .._measure import measure
 from .._render import fmt_bytes
 
@@ -138,43 +139,80 @@ FLAG_TRIALS = (
 )
 
 
-def claims(result: CaseResult | None = None) -> list[Claim]:
-    """Every claim of the write-up, decided by measurements at the seed scale."""
-    result = result or measure_case("gather-grad", "seed", buffers=True)
+def _needs(result: CaseResult, name: str, **params: Any):
+    """The report, or why this target could not measure it (a `RunbookError`)."""
+    found = result.select(name, **params)
+    if found:
+        return found[0]
+    why = next(
+        (
+            e["reason"]
+            for e in result.skipped
+            if e["name"] == name and e["params"].items() >= params.items()
+        ),
+        "not measured",
+    )
+    raise RunbookError(f"{name} could not be measured on {result.provenance.device_kind}: {why}")
+
+
+def claims(result: CaseResult | None = None, *, target: str | None = None) -> list[Claim]:
+    """Every claim of the write-up, decided by measurements at the seed scale.
+
+    Args:
+        result: the case measured with buffers (measured here when not given).
+        target: decide the claims for this compile target instead of this backend.
+
+    Raises:
+        RunbookError: the programs the claims rest on cannot be compiled for `target`.
+    """
+    if result is None:
+        result = measure_case("gather-grad", "seed", buffers=True, target=target)
+    target = result.provenance.target or None
     scale = CASE.scales[result.scale]
     args32 = _args(scale, {"index_dtype": "int32"}, False)
-    fwd = result.one("forward", index_dtype="int32")
-    grad = result.one("grad", index_dtype="int32")
-    grad16 = result.one("grad", index_dtype="int16")
-    fwd16 = result.one("forward", index_dtype="int16")
-    whole = result.one("grad-whole-index", index_dtype="int32")
-    chunked = result.one("grad-chunked", index_dtype="int32")
+    fwd = _needs(result, "forward", index_dtype="int32")
+    grad = _needs(result, "grad", index_dtype="int32")
+    grad16 = _needs(result, "grad", index_dtype="int16")
+    fwd16 = _needs(result, "forward", index_dtype="int16")
+    whole = _needs(result, "grad-whole-index", index_dtype="int32")
+    chunked = _needs(result, "grad-chunked", index_dtype="int32")
     idx_bytes = scale["rows"] * 3 * 4
     out = []
 
     copy = next((b for b in grad.buffers if b.kind == "temp"), None)
     copied = copy is not None and copy.size == idx_bytes and "concatenate" in copy.op
+    largest = (
+        f"{fmt_bytes(copy.size)} {copy.shape} from {copy.op or copy.instruction} "
+        f"({copy.source or 'no source line'})"
+        if copy
+        else "none: the gradient has no temporaries"
+    )
     out.append(
         Claim(
             "duplicate",
             "The gradient holds a second copy of `idx`, made by a concatenate.",
             verdict(copied),
-            f"largest temporary: {fmt_bytes(copy.size) if copy else '-'} {copy.shape if copy else ''}"
-            f" from {copy.op if copy else '-'} ({copy.source if copy else '-'}); idx itself is "
-            f"{fmt_bytes(idx_bytes)}.",
+            f"largest temporary: {largest}; idx itself is {fmt_bytes(idx_bytes)}.",
         )
     )
+    # The claims below are about that copy: where the compiler makes none, there is
+    # nothing for them to be right or wrong about.
+    no_copy = f"no copy of idx to explain here: the gradient's largest temporary is {largest}."
 
     jax_made = "concatenate" in jax.jit(jax.grad(loss)).lower(*args32).as_text()
     out.append(
         Claim(
             "xla-bug",
             "The copy is an XLA bug.",
-            verdict(not (jax_made and whole.temp < grad.temp)),
+            verdict(not (jax_made and whole.temp < grad.temp))
+            if copied
+            else "not reproducible here",
             "the program JAX hands to XLA already contains the concatenate "
             f"({'present' if jax_made else 'absent'} in the lowered StableHLO): jnp indexing "
             "splits and re-joins the index; passing it whole to lax.gather removes the copy "
-            f"({fmt_bytes(grad.temp)} -> {fmt_bytes(whole.temp)} temp).",
+            f"({fmt_bytes(grad.temp)} -> {fmt_bytes(whole.temp)} temp)."
+            if copied
+            else no_copy,
         )
     )
 
@@ -184,9 +222,11 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         Claim(
             "int16-s32",
             "With int16 indices the copy is made as int32 (s32).",
-            verdict(widened),
+            verdict(widened) if copied else "not reproducible here",
             f"int16 run: largest temporary {copy16.shape if copy16 else '-'}, "
-            f"{fmt_bytes(copy16.size) if copy16 else '-'} (twice the int16 input).",
+            f"{fmt_bytes(copy16.size) if copy16 else '-'} (twice the int16 input)."
+            if copied
+            else no_copy,
         )
     )
     ratio16 = grad16.total / fwd16.total
@@ -210,18 +250,21 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         )
     )
 
-    manual = measure(manual_grad, *args32, name="manual")
+    manual = measure(manual_grad, *args32, name="manual", target=target)
     out.append(
         Claim(
             "manual-grad",
             "Computing the gradient by hand avoids the inflation.",
-            verdict(manual.total < 0.9 * grad.total),
+            verdict(manual.total < 0.9 * grad.total) if copied else "not reproducible here",
             f"hand-written scatter-add: {fmt_bytes(manual.total)} vs jax.grad "
-            f"{fmt_bytes(grad.total)}: jnp indexing of the scatter builds the same index copy.",
+            f"{fmt_bytes(grad.total)}: jnp indexing of the scatter builds the same index copy."
+            if copied
+            else f"{no_copy} (hand-written scatter-add: {fmt_bytes(manual.total)}, jax.grad: "
+            f"{fmt_bytes(grad.total)})",
         )
     )
 
-    remat = measure(jax.grad(jax.checkpoint(loss)), *args32, name="checkpoint")
+    remat = measure(jax.grad(jax.checkpoint(loss)), *args32, name="checkpoint", target=target)
     out.append(
         Claim(
             "checkpoint",
@@ -229,18 +272,21 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
             verdict(remat.total < 0.9 * grad.total),
             f"jax.grad(jax.checkpoint(loss)): {fmt_bytes(remat.total)} vs {fmt_bytes(grad.total)}: "
             "nothing is saved for the backward pass; the copy is made inside it. Chunking "
-            f"(grad-chunked, no checkpoint needed) gives {fmt_bytes(chunked.total)}.",
+            f"(grad-chunked, no checkpoint needed) gives {fmt_bytes(chunked.total)}."
+            if copied
+            else f"jax.grad(jax.checkpoint(loss)): {fmt_bytes(remat.total)} vs "
+            f"{fmt_bytes(grad.total)} without it.",
         )
     )
 
-    lowered = jax.jit(jax.grad(loss)).lower(*args32)
     flag_totals = []
-    for flags in FLAG_TRIALS:
-        try:
-            stats = lowered.compile(dict(flags)).memory_analysis()
-            flag_totals.append((flags, stats.temp_size_in_bytes))
-        except Exception:  # noqa: BLE001, S112 - an option this jaxlib lacks proves nothing
-            continue
+    if copied:
+        for flags in FLAG_TRIALS:
+            try:
+                report = measure(jax.grad(loss), *args32, compiler_options=flags, target=target)
+                flag_totals.append((flags, report.temp))
+            except RunbookError:  # an option this jaxlib lacks proves nothing
+                continue
     best = min((t for _, t in flag_totals), default=grad.temp)
     tried = "; ".join(
         f"{next(iter(f))}={next(iter(f.values()))}: {fmt_bytes(t)}" for f, t in flag_totals
@@ -249,8 +295,12 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         Claim(
             "xla-flags",
             "XLA flags or disabled HLO passes can prevent the copy.",
-            verdict(best < 0.9 * grad.temp, otherwise="not reproducible here"),
-            f"temp with each option tried (default {fmt_bytes(grad.temp)}): {tried}.",
+            verdict(best < 0.9 * grad.temp, otherwise="not reproducible here")
+            if copied
+            else "not reproducible here",
+            f"temp with each option tried (default {fmt_bytes(grad.temp)}): {tried}."
+            if copied
+            else no_copy,
         )
     )
 
@@ -258,9 +308,11 @@ def claims(result: CaseResult | None = None) -> list[Claim]:
         Claim(
             "profiling",
             "Memory profiling identifies the operations responsible.",
-            verdict(copied and bool(copy and copy.source)),
+            verdict(copied and bool(copy and copy.source)) if copied else "not reproducible here",
             "XLA's buffer assignment, read back by runbook.measure(..., buffers=True), names the "
-            f"concatenate, its shape and the source line {copy.source if copy else '-'}.",
+            f"concatenate, its shape and the source line {copy.source if copy else '-'}."
+            if copied
+            else no_copy,
         )
     )
     return out
