@@ -1,4 +1,8 @@
-"""JAX Memory Runbook: measure what a JAX program needs, find why, and check the fix."""
+"""JAX Memory Runbook: measure what a JAX program needs, find why, and check the fix.
+
+The tools for your own code live here; the renderers the site's pages use are in
+`runbook.site`.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +13,7 @@ with plugin_chatter():  # the GPU compiler plugin, if installed, logs its missin
 
 from ._buffers import Buffer
 from ._case import Case, CaseResult, Variant, case_names, get_case, measure_case, verify
-from ._claims import Claim, claims_table
-from ._errors import RunbookError, UnknownNameError, WontFitError
-from ._gpu_evidence import (
-    GpuRecord,
-    gpu_evidence,
-    gpu_report,
-    gpu_summary,
-    gpu_table,
-    per_device_note,
-)
-from ._history import History, Note, ReleaseFigures, history, load_versions
+from ._errors import DoesNotFitError, RunbookError, UnknownNameError, WontFitError
 from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
 from ._provenance import Provenance
 from ._render import (
@@ -31,7 +25,8 @@ from ._render import (
     plot_sweep,
     report_table,
 )
-from ._runtime import RuntimePeak, agreement, runtime_peak
+from ._runtime import RuntimePeak, runtime_peak
+from ._targets import Target, get_target, target_devices, targets
 
 __version__ = "0.1.0"
 
@@ -39,42 +34,33 @@ __all__ = [
     "Buffer",
     "Case",
     "CaseResult",
-    "Claim",
-    "GpuRecord",
-    "History",
+    "DoesNotFitError",
     "MemoryReport",
-    "Note",
     "Provenance",
-    "ReleaseFigures",
     "RunbookError",
     "RuntimePeak",
     "Table",
+    "Target",
     "UnknownNameError",
     "Variant",
     "WontFitError",
     "__version__",
-    "agreement",
     "buffer_table",
     "case_names",
-    "claims_table",
     "compile_fn",
     "fmt_bytes",
     "get_case",
-    "gpu_evidence",
-    "gpu_report",
-    "gpu_summary",
-    "gpu_table",
-    "history",
+    "get_target",
     "largest_buffers",
-    "load_versions",
     "measure",
     "measure_case",
     "peak_table",
-    "per_device_note",
     "plot_reports",
     "plot_sweep",
     "report_table",
     "runtime_peak",
+    "target_devices",
+    "targets",
     "verify",
     "xla_usage_report_total",
 ]

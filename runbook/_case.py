@@ -48,6 +48,8 @@ class Case:
         grid: ``grid(scale)`` lists the params each variant is measured at.
         floor: optional analytic floor per device, ``floor(variant, scale, params)``.
         options: ``options()`` gives the XLA options for every compilation of the case.
+        cause: why it happens, in a phrase (the case page shows the evidence).
+        recommended: the fix the case page recommends (default: the smallest fix).
     """
 
     name: str
@@ -62,6 +64,8 @@ class Case:
     options: Callable[[], Mapping[str, Any]] = dict
     tolerance: float = 1e-5
     runnable_scale: str = "small"
+    cause: str = ""
+    recommended: str | None = None
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import runbook
+import runbook.site
 from runbook import _gpu
 from runbook._errors import RunbookError
 
@@ -43,18 +44,18 @@ def test_collect_refuses_a_cpu_backend():
 
 
 def test_committed_gpu_files_are_real_gpu_runs():
-    for record in runbook.gpu_evidence("gather-grad") or []:
+    for record in runbook.site.gpu_evidence("gather-grad") or []:
         assert record.device_kind != "cpu"
         assert record.bytes_limit > 0
 
 
 def test_no_evidence_says_so_in_plain_words(tmp_path):
-    assert runbook.gpu_evidence("pmap-loop", data_dir=tmp_path) is None
-    note = runbook.gpu_summary("pmap-loop", data_dir=tmp_path)
+    assert runbook.site.gpu_evidence("pmap-loop", data_dir=tmp_path) is None
+    note = runbook.site.gpu_summary("pmap-loop", data_dir=tmp_path)
     assert note.startswith("No GPU evidence has been recorded yet for `pmap-loop`")
     assert "nox -s gpu" in note._repr_markdown_()
     with pytest.raises(RunbookError, match="unknown case"):
-        runbook.gpu_evidence("no-such-case", data_dir=tmp_path)
+        runbook.site.gpu_evidence("no-such-case", data_dir=tmp_path)
 
 
 def _record(runtime, devices_present=1):
@@ -72,15 +73,15 @@ def test_loader_and_renderers(tmp_path):
                "status": "won't fit", "reason": "refusing"}  # fmt: skip
     (tmp_path / "gpu").mkdir()
     (tmp_path / "gpu" / "Test-GPU.json").write_text(json.dumps(_record([serial, refused])))
-    [record] = runbook.gpu_evidence("pmap-loop", data_dir=tmp_path)
-    assert runbook.gpu_evidence("gather-grad", data_dir=tmp_path) is None
+    [record] = runbook.site.gpu_evidence("pmap-loop", data_dir=tmp_path)
+    assert runbook.site.gpu_evidence("gather-grad", data_dir=tmp_path) is None
     assert "Test GPU x1, driver 555.1, cuda 12" in record.label()
-    table = str(runbook.gpu_table(record))
+    table = str(runbook.site.gpu_table(record))
     assert "110.00 MiB" in table
     assert "1.10x" in table
     assert "won't fit: refusing" in table
     cpu = runbook.measure_case("pmap-loop", "tiny")  # serial and pmap-loop: same per device
-    note = runbook.per_device_note(record, cpu)
+    note = runbook.site.per_device_note(record, cpu)
     assert "each of their 4 devices would hold about 110.00 MiB, 440.00 MiB in all" in note
     assert "pmap-loop" in note.split("same bytes per device as")[1]
 
@@ -90,7 +91,7 @@ def test_pipeline_end_to_end_on_cpu(tmp_path):
     # Not GPU evidence: the same code path, on the CPU backend, into a temporary folder.
     data = _gpu.collect(["gather-grad"], scales=["tiny"], allow_cpu=True)
     out = _gpu._matrix.write_json(data, tmp_path / "gpu" / f"{_gpu.slug(data['device_kind'])}.json")
-    [record] = runbook.gpu_evidence("gather-grad", data_dir=tmp_path)
+    [record] = runbook.site.gpu_evidence("gather-grad", data_dir=tmp_path)
     assert out.exists()
     assert record.scale == "tiny"
     assert {p["status"] for p in record.runtime} == {"ok"}

@@ -122,6 +122,9 @@ CASE = Case(
     args=_args,
     grid=lambda scale: [{"index_dtype": d, "chunk": _chunk(scale)} for d in ("int32", "int16")],
     tolerance=1e-4,
+    cause="jnp indexing re-joins the split index columns with a concatenate; on CPU the "
+    "gradient's scatter needs that full-size copy of the index as a real array",
+    recommended="grad-chunked",
 )
 
 
@@ -185,7 +188,7 @@ def claims(result: CaseResult | None = None, *, target: str | None = None) -> li
         f"{fmt_bytes(copy.size)} {copy.shape} from {copy.op or copy.instruction} "
         f"({copy.source or 'no source line'})"
         if copy
-        else "none: the gradient has no temporaries"
+        else "none (the gradient has no temporaries)"
     )
     out.append(
         Claim(
@@ -197,7 +200,7 @@ def claims(result: CaseResult | None = None, *, target: str | None = None) -> li
     )
     # The claims below are about that copy: where the compiler makes none, there is
     # nothing for them to be right or wrong about.
-    no_copy = f"no copy of idx to explain here: the gradient's largest temporary is {largest}."
+    no_copy = f"this compiler makes no copy of idx to explain (largest temporary: {largest})."
 
     jax_made = "concatenate" in jax.jit(jax.grad(loss)).lower(*args32).as_text()
     out.append(

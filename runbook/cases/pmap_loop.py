@@ -263,6 +263,9 @@ CASE = Case(
     floor=_floor,
     options=options,
     tolerance=1e-4,
+    cause="in_axes=None copies the whole input to every device, and the Python loop "
+    "unrolls into one set of intermediates per iteration",
+    recommended="shard_map-fori",
 )
 
 

@@ -1,0 +1,293 @@
+"""On your accelerator: a case's variants on CPU and compiled for every GPU and TPU target.
+
+Every figure for a target is a compile-time prediction made on this machine by that
+target's own XLA compiler (see `runbook.targets()`); nothing ran on the device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._case import _CASES, CaseResult, get_case, measure_case
+from ._claims import Claim
+from ._errors import RunbookError
+from ._history import Note
+from ._measure import MemoryReport
+from ._render import Table, fmt_bytes
+from ._targets import GPU_ALLOCATOR_SOURCE, Target, get_target, targets, unavailable
+
+CPU = "cpu"
+# Marks for a per-device total against a target's memory.
+FITS, OVER_SHARE, TOO_BIG = "fits", "over the default share", "exceeds memory"
+
+
+def available_targets(names: Sequence[str] | None = None) -> list[Target]:
+    """The targets this machine can compile for (of `names`, default: all)."""
+    chosen = [get_target(n) for n in names] if names else targets()
+    return [t for t in chosen if unavailable(t) is None]
+
+
+def worst_point(result: CaseResult) -> dict[str, Any]:
+    """The grid point where the reproduction needs the most memory."""
+    repro = result.select(role="reproduction")
+    if not repro:
+        raise RunbookError(f"{result.case}: no reproduction was measured")
+    return dict(max(repro, key=lambda r: r.total).params)
+
+
+def recommended(result: CaseResult, params: Mapping[str, Any]) -> MemoryReport | None:
+    """The case's recommended fix at `params` (else its smallest fix), if it was measured."""
+    case = get_case(result.case)
+    if case.recommended:
+        found = result.select(case.recommended, **params)
+        return found[0] if found else None
+    fixes = result.select(role="fix", **params)
+    return min(fixes, key=lambda r: r.total) if fixes else None
+
+
+def on_targets(
+    case: str,
+    *,
+    scale: str = "seed",
+    at: Mapping[str, Any] | None = None,
+    names: Sequence[str] | None = None,
+    buffers: bool = False,
+) -> dict[str, CaseResult]:
+    """The case on this backend and on each available target, at one grid point.
+
+    Args:
+        case: a case name.
+        scale: the scale (default: the write-up's).
+        at: the grid point (default: where the reproduction is worst on this backend).
+        names: target names (default: every available target).
+        buffers: keep each program's largest buffers.
+
+    Returns:
+        ``{"cpu": result, "h100": result, ...}``, this backend first.
+    """
+    here = measure_case(case, scale, buffers=buffers)
+    point = dict(at) if at is not None else worst_point(here)
+    results = {CPU: _at(here, point)}
+    for t in available_targets(names):
+        results[t.name] = measure_case(case, scale, target=t.name, at=point, buffers=buffers)
+    return results
+
+
+def _at(result: CaseResult, params: Mapping[str, Any]) -> CaseResult:
+    """Only the programs of `result` at grid point `params`."""
+    keep = lambda p: all(p.get(k) == v for k, v in params.items())
+    return CaseResult(
+        result.case,
+        result.scale,
+        result.provenance,
+        tuple(r for r in result.reports if keep(r.params)),
+        tuple(s for s in result.skipped if keep(s["params"])),
+    )
+
+
+def fit(total: int, target: Target) -> str:
+    """`FITS` within what a program may use by default, `OVER_SHARE` past that but within
+    the device's memory, `TOO_BIG` past the memory."""
+    if total <= target.usable():
+        return FITS
+    return OVER_SHARE if total <= target.memory else TOO_BIG
+
+
+_MARK = {FITS: "✓", OVER_SHARE: "~", TOO_BIG: "✗"}
+
+
+def _cell(result: CaseResult, name: str) -> str:
+    found = result.select(name)
+    if found:
+        target = result.target
+        mark = f" {_MARK[fit(found[0].total, target)]}" if target else ""
+        return fmt_bytes(found[0].total) + mark
+    entry = next((s for s in result.skipped if s["name"] == name), None)
+    if entry is None:
+        return "-"
+    if entry["status"] == "does not fit":
+        return f"✗ does not fit: needs {fmt_bytes(entry['needed'])}"
+    if entry["status"] == "failed":
+        return f"does not compile: {_reason(entry['reason'])}"
+    return entry["status"]
+
+
+def _reason(text: str, limit: int = 90) -> str:
+    """The compiler's own sentence, without the HLO instruction it quotes."""
+    text = text.split(": ", 1)[-1] if text.startswith("XLA could not compile") else text
+    text = text.split(" in %")[0].removeprefix("INVALID_ARGUMENT: ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _column(where: str, result: CaseResult) -> str:
+    if where == CPU:
+        return f"{result.provenance.backend.upper()} (this machine)"
+    t = get_target(where)
+    return f"{t.name} ({fmt_bytes(t.memory)})"
+
+
+def target_table(results: Mapping[str, CaseResult]) -> Table:
+    """Per variant (rows), the total per device on this backend and on each target.
+
+    ✓: within what a program may use by default (a GPU: JAX's allocator share; a TPU: the
+    usable HBM XLA reports); ~: past that but within the device's memory; ✗: past it.
+    """
+    first = next(iter(results.values()))
+    names = list(
+        dict.fromkeys([*(r.name for r in first.reports), *(s["name"] for s in first.skipped)])
+    )
+    case = get_case(first.case)
+    rows = [
+        [name, case.variant(name).role, *(_cell(r, name) for r in results.values())]
+        for name in names
+    ]
+    params = _params(first.reports[0].params if first.reports else first.skipped[0]["params"])
+    p = first.provenance
+    caption = (
+        f"Total bytes per device at {params}, scale {first.scale!r}. ✓ fits what a program may "
+        f"use by default (GPU: the {_share()} JAX's allocator takes, {GPU_ALLOCATOR_SOURCE}; "
+        "TPU: the usable HBM XLA reports), ~ fits the device's memory but not that share, ✗ "
+        f"exceeds the memory. First column: this machine, {p.label()}. Other columns: compiled "
+        "here by each target's own XLA compiler, without the device: predictions, not runs."
+    )
+    return Table(["variant", "role", *(_column(w, r) for w, r in results.items())], rows, caption)
+
+
+def _params(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def _share() -> str:
+    from ._targets import GPU_ALLOCATOR_FRACTION
+
+    return f"{GPU_ALLOCATOR_FRACTION:.0%}"
+
+
+def memory_table(names: Sequence[str] | None = None) -> Table:
+    """Each available target: its memory and what a program may use of it by default."""
+    rows = [
+        [t.name, t.label, fmt_bytes(t.memory), fmt_bytes(t.usable()), t.usable_rule()]
+        for t in available_targets(names)
+    ]
+    return Table(["target", "device", "memory", "usable by default", "rule"], rows)
+
+
+def buffer_contrast(
+    case: str,
+    variant: str,
+    params: Mapping[str, Any],
+    names: Sequence[str],
+    *,
+    scale: str = "seed",
+    count: int = 3,
+) -> Table:
+    """The largest temporaries of one program on this backend and on each target in `names`."""
+    wheres = [None, *(n for n in names if unavailable(n) is None)]
+    rows = []
+    for where in wheres:
+        result = measure_case(
+            case, scale, target=where, variants=[variant], at=params, buffers=True
+        )
+        label = where or CPU
+        if not result.reports:
+            status = result.skipped[0]["status"] if result.skipped else "not measured"
+            rows.append([label, "-", "-", "-", status, "-"])
+            continue
+        temps = [b for b in result.reports[0].buffers if b.kind == "temp"][:count]
+        if not temps:
+            rows.append([label, "0 B", "-", "-", "no temporaries", "-"])
+        rows += [
+            [label, fmt_bytes(b.size), b.shape, b.instruction, b.op, b.source or "-"] for b in temps
+        ]
+    caption = (
+        f"{variant}: its {count} largest temporaries per compiler, at {_params(params)}, "
+        f"scale {scale!r}, read from each compiler's buffer assignment."
+    )
+    return Table(
+        ["compiled for", "size", "shape", "HLO instruction", "JAX op", "source"], rows, caption
+    )
+
+
+def claims_by_target(
+    case: str, names: Sequence[str], *, scale: str = "seed"
+) -> dict[str, list[Claim] | str]:
+    """The case's claims decided on this backend and on each target in `names`.
+
+    Where the programs the claims rest on do not compile for a target at `scale`, they are
+    decided at the case's runnable scale and the key says so; where they cannot be decided
+    at all, the value is the reason.
+    """
+    module = importlib.import_module(_CASES[case])
+    found: dict[str, list[Claim] | str] = {CPU: module.claims()}
+    for name in names:
+        if unavailable(name) is not None:
+            continue
+        try:
+            found[name] = module.claims(target=name)
+        except RunbookError as e:
+            small = get_case(case).runnable_scale
+            try:
+                result = measure_case(case, small, target=name, buffers=True)
+                found[f"{name} (scale {small!r})"] = module.claims(result)
+            except RunbookError:
+                found[name] = str(e)
+    return found
+
+
+def claims_matrix(found: Mapping[str, list[Claim] | str]) -> Table:
+    """One row per claim: the verdict on each compiler, and the evidence where they differ."""
+    base = found[CPU]
+    assert not isinstance(base, str)
+    rows = []
+    for claim in base:
+        verdicts, notes = [], []
+        for where, claims in found.items():
+            if isinstance(claims, str):
+                verdicts.append("n/a")
+                continue
+            mine = next(c for c in claims if c.key == claim.key)
+            verdicts.append(mine.verdict.upper())
+            if where != CPU and mine.verdict != claim.verdict:
+                notes.append(f"{where}: {mine.evidence}")
+        evidence = claim.evidence + "".join(f" | {n}" for n in notes)
+        rows.append([claim.claim, *verdicts, evidence])
+    unmeasured = [f"{w}: {c}" for w, c in found.items() if isinstance(c, str)]
+    caption = "Each verdict decided by measurements made during this build, per compiler; "
+    caption += "the evidence is this machine's, then each target's where its verdict differs."
+    if unmeasured:
+        caption += " Not decidable: " + "; ".join(unmeasured)
+    return Table(
+        ["claim", *(w.upper() if w == CPU else w for w in found), "evidence"], rows, caption
+    )
+
+
+def accelerator_report(case: str, *, claims_on: Sequence[str] = ("h100", "v5e")) -> list[Any]:
+    """Everything a case page's "On your accelerator" section shows, in order.
+
+    The targets' memory; the variants' totals per device on this backend and on every
+    available target at the reproduction's worst point; the reproduction's largest
+    temporaries on this backend and the targets in `claims_on`; the claims decided on each.
+    """
+    missing = {t.name: unavailable(t) for t in targets() if unavailable(t)}
+    items: list[Any] = []
+    if missing:
+        items.append(
+            Note(
+                "Target figures unavailable on this build for "
+                + "; ".join(f"{n}: {why}" for n, why in missing.items())
+                + "."
+            )
+        )
+    results = on_targets(case)
+    if len(results) == 1:
+        return items
+    items.append(memory_table())
+    items.append(target_table(results))
+    cpu = results[CPU]
+    repro = cpu.select(role="reproduction")
+    if repro:
+        items.append(buffer_contrast(case, repro[0].name, dict(repro[0].params), claims_on))
+    items.append(claims_matrix(claims_by_target(case, claims_on)))
+    return items

@@ -1,0 +1,62 @@
+"""What the runbook's own pages use beyond the public API: claims, history, GPU evidence,
+accelerator sections and the tables that compare them.
+
+These renderers exist to build the site; `import runbook` holds the tools for your own
+code. They are tested like the rest, but their output may change with the site.
+"""
+
+from __future__ import annotations
+
+from ._accelerator import (
+    accelerator_report,
+    available_targets,
+    buffer_contrast,
+    claims_by_target,
+    claims_matrix,
+    fit,
+    memory_table,
+    on_targets,
+    recommended,
+    target_table,
+    worst_point,
+)
+from ._claims import Claim, claims_table, verdict
+from ._gpu_evidence import (
+    GpuRecord,
+    gpu_evidence,
+    gpu_report,
+    gpu_summary,
+    gpu_table,
+    per_device_note,
+)
+from ._history import History, Note, ReleaseFigures, history, load_versions
+from ._runtime import agreement
+
+__all__ = [
+    "Claim",
+    "GpuRecord",
+    "History",
+    "Note",
+    "ReleaseFigures",
+    "accelerator_report",
+    "agreement",
+    "available_targets",
+    "buffer_contrast",
+    "claims_by_target",
+    "claims_matrix",
+    "claims_table",
+    "fit",
+    "gpu_evidence",
+    "gpu_report",
+    "gpu_summary",
+    "gpu_table",
+    "history",
+    "load_versions",
+    "memory_table",
+    "on_targets",
+    "per_device_note",
+    "recommended",
+    "target_table",
+    "verdict",
+    "worst_point",
+]
