@@ -20,11 +20,16 @@ ROOT = Path(__file__).parent
 PROJECT = nox.project.load_toml("pyproject.toml")
 
 
+# Without a GPU or TPU, JAX must not try to start the compiler plugins' runtimes (the
+# `targets` extra installs them): pages and tests measure on the CPU and compile for targets.
+CPU_ONLY = {"JAX_PLATFORMS": "cpu"}
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite (pass pytest options after --)."""
-    session.install("-e.", *nox.project.dependency_groups(PROJECT, "test"))
-    session.run("pytest", *session.posargs)
+    session.install("-e.[targets]", *nox.project.dependency_groups(PROJECT, "test"))
+    session.run("pytest", *session.posargs, env=CPU_ONLY)
 
 
 @nox.session(default=False)
@@ -34,15 +39,17 @@ def docs(session: nox.Session) -> None:
     `-- --fresh` deletes the previous build first; `-- --cuda` measures with JAX's CUDA
     build (on a machine with an NVIDIA GPU).
     """
-    session.install("-e.", *nox.project.dependency_groups(PROJECT, "docs"))
+    session.install("-e.[targets]", *nox.project.dependency_groups(PROJECT, "docs"))
+    env = dict(CPU_ONLY)
     if "--cuda" in session.posargs:
         session.install("jax[cuda12]")
+        env = {}
     build = ROOT / "docs" / "_build"
     if "--fresh" in session.posargs:
         shutil.rmtree(build, ignore_errors=True)
     session.run(
         "sphinx-build", "-n", "-T", "-W", "--keep-going", "-b", "html",
-        "docs", str(build / "html"),
+        "docs", str(build / "html"), env=env,
     )  # fmt: skip
 
 

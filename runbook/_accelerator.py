@@ -12,7 +12,7 @@ from typing import Any
 
 from ._case import _CASES, CaseResult, get_case, measure_case
 from ._claims import Claim
-from ._errors import RunbookError
+from ._errors import DoesNotFitError, RunbookError
 from ._history import Note
 from ._measure import MemoryReport
 from ._render import Table, fmt_bytes
@@ -208,6 +208,79 @@ def buffer_contrast(
     return Table(
         ["compiled for", "size", "shape", "HLO instruction", "JAX op", "source"], rows, caption
     )
+
+
+COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def devices_to_fit(
+    case: str,
+    variant: str,
+    target: str,
+    *,
+    scale: str = "seed",
+    at: Mapping[str, Any] | None = None,
+) -> tuple[int | None, list[tuple[int, str]]]:
+    """The fewest devices of `target` whose share of the program fits each one.
+
+    The program's inputs are split the way the case says it splits naturally (`Case.shard`),
+    over 1, 2, 4, ... devices, until the per-device total fits what a program may use.
+
+    Returns:
+        (devices, tried): the count that fits (None if none up to 256 does), and per count
+        tried, the per-device total or why it did not compile.
+    """
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from ._measure import measure
+    from ._targets import target_devices
+
+    c = get_case(case)
+    if c.shard is None:
+        raise RunbookError(f"case {case!r} does not say how its inputs split over devices")
+    v = c.variant(variant)
+    size = c.scale(scale)
+    params = dict(at) if at is not None else c.grid(size)[0]
+    t = get_target(target)
+    tried: list[tuple[int, str]] = []
+    for n in COUNTS:
+        try:
+            mesh = Mesh(np.array(target_devices(t, n)), ("d",))
+            report = measure(v.program(params), *c.shard(size, params, mesh), target=t.name)
+        except DoesNotFitError as e:
+            tried.append((n, f"✗ needs {fmt_bytes(e.needed)}"))
+            continue
+        except RunbookError as e:
+            tried.append((n, _reason(str(e), 60)))
+            continue
+        tried.append((n, fmt_bytes(report.total)))
+        if report.total <= t.usable():
+            return n, tried
+    return None, tried
+
+
+def devices_table(case: str, variants: Sequence[str], names: Sequence[str], **kw: Any) -> Table:
+    """For each target and variant: how many devices it takes to fit, and what each holds."""
+    rows = []
+    for name in names:
+        if unavailable(name) is not None:
+            continue
+        t = get_target(name)
+        for variant in variants:
+            n, tried = devices_to_fit(case, variant, name, **kw)
+            rows.append(
+                [name, variant, str(n) if n else "more than 256",
+                 dict(tried)[n] if n else "-", fmt_bytes(t.usable()),
+                 "; ".join(f"{k}: {v}" for k, v in tried)]
+            )  # fmt: skip
+    return Table(
+        ["target", "variant", "devices to fit", "per device there", "usable per device",
+         "per device, by device count"],
+        rows,
+        "Inputs split over the devices the way the program splits naturally; compile-time "
+        "predictions by each target's compiler, without the devices.",
+    )  # fmt: skip
 
 
 def claims_by_target(

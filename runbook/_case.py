@@ -50,6 +50,8 @@ class Case:
         options: ``options()`` gives the XLA options for every compilation of the case.
         cause: why it happens, in a phrase (the case page shows the evidence).
         recommended: the fix the case page recommends (default: the smallest fix).
+        shard: ``shard(scale, params, mesh)`` gives abstract inputs split over `mesh`'s axis
+            "d" the way the program splits naturally, to ask how many devices it needs.
     """
 
     name: str
@@ -66,6 +68,7 @@ class Case:
     runnable_scale: str = "small"
     cause: str = ""
     recommended: str | None = None
+    shard: Callable[[Mapping[str, Any], Params, Any], tuple[Any, ...]] | None = None
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:

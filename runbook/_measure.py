@@ -39,6 +39,7 @@ class MemoryReport:
     floor: int | None = None
     compile_seconds: float = 0.0
     buffers: tuple[Buffer, ...] = ()
+    caveats: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -67,6 +68,7 @@ class MemoryReport:
         fields = dict(record)
         fields["provenance"] = Provenance(**fields["provenance"])
         fields["buffers"] = tuple(Buffer(**b) for b in fields.get("buffers", ()))
+        fields["caveats"] = tuple(fields.get("caveats", ()))
         return cls(**fields)
 
     def to_json(self) -> dict[str, Any]:
@@ -85,6 +87,7 @@ class MemoryReport:
             "lower_bound": self.lower_bound,
             "overhead": round(self.overhead, 6),
             "compile_seconds": round(self.compile_seconds, 3),
+            **({"caveats": list(self.caveats)} if self.caveats else {}),
         }
 
 
@@ -257,6 +260,7 @@ def measure(
     provenance = (
         Provenance.for_target(target, _devices_used(compiled)) if target else Provenance.current()
     )
+    caveats = () if target else _backend_caveats(compiled, options)
     return MemoryReport(
         name=name or getattr(fn, "__name__", "fn"),
         argument=int(stats.argument_size_in_bytes),
@@ -266,7 +270,30 @@ def measure(
         provenance=provenance,
         compile_seconds=seconds,
         buffers=found,
+        caveats=caveats,
     )
+
+
+# XLA:CPU (jaxlib 0.10 and newer) can fuse matrix products and their consumers into YNNPACK
+# kernels; a fused kernel's working memory is not in the buffer assignment. A real run tells
+# whether it was needed: on the pmap-loop and guide pages it was, for gather-grad it was not.
+YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+
+
+def _backend_caveats(compiled: Any, options: Mapping[str, Any]) -> tuple[str, ...]:
+    """What this backend's accounting may leave out of the figures, in words."""
+    if jax.default_backend() != "cpu" or options.get(YNN_OPTION) == "":
+        return ()
+    fused = (compiled.as_text() or "").count("__ynn_fusion")
+    if not fused:
+        return ()
+    caveat = (
+        f"XLA:CPU fused {fused} operation group(s) into YNNPACK kernels, whose working memory "
+        "its buffer assignment does not count: the real peak may be higher. Count it with "
+        f"compiler_options={{{YNN_OPTION!r}: ''}}, or check with a real run "
+        "(runbook.runtime_peak)."
+    )
+    return (caveat,)
 
 
 def largest_buffers(

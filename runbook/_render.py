@@ -76,6 +76,10 @@ def report_table(reports: Sequence[MemoryReport], caption: str | None = None) ->
     ]
     if caption is None and reports:
         caption = f"Compile-time, per device. {reports[0].provenance.label()}."
+        caveats = dict.fromkeys(c for r in reports for c in r.caveats)
+        marked = [r.name for r in reports if r.caveats]
+        if caveats:
+            caption += f" Caveat ({', '.join(dict.fromkeys(marked))}): " + " ".join(caveats)
     columns = [
         "variant",
         "role",

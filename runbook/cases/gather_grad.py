@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
@@ -87,6 +89,15 @@ def _args(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool):
     return jnp.asarray(x), jnp.asarray(idx)
 
 
+def _sharded_args(scale: Mapping[str, Any], params: Mapping[str, Any], mesh: Any):
+    """The inputs split the natural way: the index rows over the mesh, `x` on every device."""
+    x, idx = _args(scale, params, False)
+    return (
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+        jax.ShapeDtypeStruct(idx.shape, idx.dtype, sharding=NamedSharding(mesh, P("d", None))),
+    )
+
+
 def _chunk(scale: Mapping[str, Any]) -> int:
     return min(scale["chunk"], scale["rows"])
 
@@ -125,6 +136,7 @@ CASE = Case(
     cause="jnp indexing re-joins the split index columns with a concatenate; on CPU the "
     "gradient's scatter needs that full-size copy of the index as a real array",
     recommended="grad-chunked",
+    shard=_sharded_args,
 )
 
 
