@@ -210,6 +210,26 @@ def buffer_contrast(
     )
 
 
+def fusion_table(fn: Any, *args: Any, where: Sequence[str | None] = (None, "h100")) -> Table:
+    """The fused kernels of one program per compiler: what each reads and which operations
+    it holds, the evidence of where a compiler put an intermediate."""
+    from ._buffers import fusions
+    from ._measure import compile_fn
+
+    rows = []
+    for w in where:
+        if w is not None and unavailable(w) is not None:
+            continue
+        for f in fusions(compile_fn(fn, *args, target=w).as_text()):
+            rows.append([w or CPU, f.name, f.shape, ", ".join(f.operands) or "-", ", ".join(f.ops)])
+    return Table(
+        ["compiled for", "fusion", "result", "reads", "operations inside"],
+        rows,
+        "The entry computation's fusions in each compiler's optimised program; an operation "
+        "inside a fusion leaves no buffer of its own.",
+    )
+
+
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 

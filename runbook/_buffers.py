@@ -160,3 +160,53 @@ def parse_dump(directory: pathlib.Path) -> list[Buffer]:
             break
     buffers.sort(key=lambda b: b.size, reverse=True)
     return buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """One fused kernel of a compiled program: what it reads and which operations it holds."""
+
+    name: str
+    shape: str
+    operands: tuple[str, ...]
+    ops: tuple[str, ...]  # the operations inside, in order of first appearance
+
+
+_ENTRY_FUSION = re.compile(
+    r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) fusion\(([^)]*)\).*calls=%?([\w.\-]+)"
+)
+
+
+def fusions(hlo: str) -> list[Fusion]:
+    """The fusions of a compiled program's entry computation (from ``compiled.as_text()``).
+
+    Shows where a compiler put an operation: the GPU compiler, for one, computes the
+    gather-grad index copy inside the scatter's kernel instead of in a buffer of its own.
+    """
+    bodies: dict[str, list[str]] = {}
+    entry: list[str] = []
+    current: list[str] | None = None
+    for line in hlo.splitlines():
+        if (c := _COMPUTATION.match(line)) is not None and "=" not in line.split("{")[0]:
+            current = entry if line.startswith("ENTRY") else bodies.setdefault(c[1], [])
+            continue
+        if current is not None and _INSTR.match(line) is not None:
+            current.append(line)
+
+    def ops(body: str, seen: frozenset[str] = frozenset()) -> list[str]:
+        found: list[str] = []
+        for line in bodies.get(body, []):
+            i = _INSTR.match(line)
+            assert i is not None
+            if i[3] not in ("parameter", "constant", "bitcast", "get-tuple-element", "tuple"):
+                found.append(i[3])
+            if (m := re.search(r"calls=%?([\w.\-]+)", line)) and m[1] not in seen:
+                found += ops(m[1], seen | {m[1]})
+        return list(dict.fromkeys(found))
+
+    out = []
+    for line in entry:
+        if (f := _ENTRY_FUSION.match(line)) is not None:
+            operands = tuple(o.strip().lstrip("%") for o in f[3].split(",") if o.strip())
+            out.append(Fusion(f[1], f[2].split("{")[0], operands, tuple(ops(f[4]))))
+    return out

@@ -13,7 +13,10 @@ from ._accelerator import (
     buffer_contrast,
     claims_by_target,
     claims_matrix,
+    devices_table,
+    devices_to_fit,
     fit,
+    fusion_table,
     memory_table,
     on_targets,
     recommended,
@@ -30,6 +33,7 @@ from ._gpu_evidence import (
     per_device_note,
 )
 from ._history import History, Note, ReleaseFigures, history, load_versions
+from ._pages import fix_table, verify_table, ynn_accounting
 from ._runtime import agreement
 
 __all__ = [
@@ -45,7 +49,11 @@ __all__ = [
     "claims_by_target",
     "claims_matrix",
     "claims_table",
+    "devices_table",
+    "devices_to_fit",
     "fit",
+    "fix_table",
+    "fusion_table",
     "gpu_evidence",
     "gpu_report",
     "gpu_summary",
@@ -58,5 +66,7 @@ __all__ = [
     "recommended",
     "target_table",
     "verdict",
+    "verify_table",
     "worst_point",
+    "ynn_accounting",
 ]

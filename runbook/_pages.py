@@ -1,0 +1,137 @@
+"""Tables a case page shows beside its own measurements: fixes, same-result checks, and how
+XLA:CPU's YNNPACK fusion changes the accounting. Each is one call on a page."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._case import CaseResult, get_case, measure_case
+from ._measure import YNN_OPTION
+from ._render import Table, fmt_bytes
+from ._runtime import agreement, runtime_peak
+
+
+def _params(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def fix_table(result: CaseResult, *, at: Mapping[str, Any] | None = None) -> Table:
+    """Each fix beside the reproduction at the same grid point: total, floor, saving.
+
+    Args:
+        result: the case measured (`measure_case`).
+        at: only grid points whose params include these (default: every point).
+    """
+    case = get_case(result.case)
+    rows = []
+    for r in result.reports:
+        if r.role == "baseline" or (at and any(r.params.get(k) != v for k, v in at.items())):
+            continue
+        repro = result.select(role="reproduction", **r.params)
+        saving = f"{repro[0].total / r.total:.2f}x" if repro and r.role == "fix" else "-"
+        mark = " (recommended)" if r.name == case.recommended else ""
+        rows.append(
+            [r.name + mark, _params(r.params), fmt_bytes(r.total), fmt_bytes(r.lower_bound),
+             f"{r.overhead:.4f}x", saving]
+        )  # fmt: skip
+    return Table(
+        ["variant", "params", "total", "floor", "total / floor", "reproduction / this"],
+        rows,
+        f"Compile time, per device, scale {result.scale!r}. The floor is the case's analytic "
+        f"lower bound (else arguments + outputs). {result.provenance.label()}.",
+    )
+
+
+def verify_table(checks: Sequence[Mapping[str, Any]], case: str, scale: str | None = None) -> Table:
+    """The same-result checks `runbook.verify` made, one row per fix and grid point."""
+    c = get_case(case)
+    scale = scale or c.runnable_scale
+    rows = [
+        [ch["name"], _params(ch["params"]), f"{ch['max_rel_error']:.1e}", f"{ch['tolerance']:.0e}",
+         "yes" if ch["same"] else "NO"]
+        for ch in checks
+    ]  # fmt: skip
+    return Table(
+        ["fix", "params", "max relative error", "tolerance", "same result?"],
+        rows,
+        f"Real arrays at scale {scale!r} ({_params(c.scale(scale))}); error = max |fix - "
+        "reproduction| / (|reproduction| + 1), elementwise.",
+    )
+
+
+def _runnable_point(case: str, scale: str, at: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The grid point of `scale` that agrees with `at` wherever both name a param."""
+    c = get_case(case)
+    grid = c.grid(c.scale(scale))
+    for point in grid:
+        if all(point.get(k, v) == v for k, v in (at or {}).items()):
+            return dict(point)
+    return dict(grid[0])
+
+
+def ynn_accounting(
+    case: str,
+    variants: Sequence[str],
+    *,
+    at: Mapping[str, Any] | None = None,
+    run_scale: str | None = None,
+    run_at: Mapping[str, Any] | None = None,
+) -> Table:
+    """Does XLA:CPU's YNNPACK fusion avoid memory, or hide memory that is used?
+
+    Each variant is compiled at seed scale with XLA's defaults and with YNN fusion off, then
+    run for real at a runnable scale both ways. The unfused program accounts for H more
+    bytes; if the fused program's real peak is at least H/2 below the unfused program's,
+    the fusion really does without that memory, else it hides memory that is in use.
+
+    Args:
+        case: a case name.
+        variants: the variants to check.
+        at: the seed-scale grid point (default: the first).
+        run_scale: the scale run for real (default: the case's runnable scale); choose one
+            where H is well above the few MiB a real peak's measurement varies by.
+        run_at: its grid point (default: the one agreeing with `at`).
+    """
+    c = get_case(case)
+    off = {YNN_OPTION: ""}
+    at = dict(at) if at is not None else dict(c.grid(c.scale("seed"))[0])
+    run_scale = run_scale or c.runnable_scale
+    run_at = dict(run_at) if run_at is not None else _runnable_point(case, run_scale, at)
+    compiled = {
+        label: measure_case(case, "seed", compiler_options=o, variants=variants, at=at)
+        for label, o in (("defaults", {}), ("off", off))
+    }
+    rows = []
+    method = ""
+    for name in variants:
+        fused, unfused = (compiled[label].select(name)[0] for label in ("defaults", "off"))
+        d, u = (
+            runtime_peak(case, name, scale=run_scale, params=run_at, compiler_options=o, repeats=1)
+            for o in ({}, off)
+        )
+        method = d.method
+        hidden = u.predicted - d.predicted
+        if hidden <= 0:
+            verdict = "same accounting"
+        elif u.measured - d.measured >= hidden / 2:
+            verdict = (
+                f"the fusion does without it (runs {fmt_bytes(u.measured - d.measured)} lower)"
+            )
+        else:
+            verdict = "the fusion hides memory in use"
+        rows.append(
+            [name, fmt_bytes(fused.total), fmt_bytes(unfused.total),
+             f"{fmt_bytes(d.predicted)} / {fmt_bytes(d.measured)}",
+             f"{fmt_bytes(u.predicted)} / {fmt_bytes(u.measured)}", verdict]
+        )  # fmt: skip
+    return Table(
+        ["variant", "seed: XLA defaults", "seed: YNN fusion off",
+         "run: defaults, predicted / measured", "run: YNN off, predicted / measured",
+         "verdict"],
+        rows,
+        f"Compile-time totals per device at scale 'seed' ({_params(at)}); real runs at scale "
+        f"{run_scale!r} ({_params(run_at)}) in fresh processes ({method}; agreement: "
+        f"{agreement()}). YNN fusion off: compiler_options={{{YNN_OPTION!r}: ''}}. "
+        f"{compiled['defaults'].provenance.label()}.",
+    )  # fmt: skip
