@@ -1,13 +1,12 @@
 """Sphinx configuration: MyST-NB pages executed at every build, warnings are errors.
 
-A rebuild re-runs the pages whose source changed, and every page when anything their
-numbers depend on changed (the `runbook` package, JAX, the backend, data files): see
-`runbook_fingerprint` and docs/_ext/runbook_docs.py.
+A rebuild re-runs the pages whose source changed, and the pages whose inputs changed: the
+case modules and data each page names in its front matter, the measurement core, JAX and
+the backend (see docs/_ext/runbook_docs.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
@@ -29,7 +28,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.extlinks",
-    "runbook_docs",  # the build fingerprint, the case-list check, docstrings
+    "runbook_docs",  # per-page fingerprints, the case-list check, docstrings
 ]
 exclude_patterns = [
     "_build",
@@ -99,7 +98,7 @@ os.environ["PATH"] = os.pathsep.join([str(pathlib.Path(sys.executable).parent), 
 
 # --- numbers never stale: see docs/_ext/runbook_docs.py ---------------------------------
 
-runbook_fingerprint, _parts = runbook_docs.fingerprint(ROOT, DOCS)
-# The pages' kernels inherit the environment: the status page shows what the build hashed.
-os.environ["RUNBOOK_DOCS_FINGERPRINT"] = runbook_fingerprint
-os.environ["RUNBOOK_DOCS_FINGERPRINT_PARTS"] = json.dumps(_parts, sort_keys=True)
+# Measurements are stored by the hash of everything they depend on (runbook/_cache.py), so a
+# page re-executed because a neighbour changed re-measures only what changed.
+os.environ.setdefault("RUNBOOK_CACHE_DIR", str(DOCS / "_build" / "runbook-cache"))
+os.environ["RUNBOOK_DOCS_DIR"] = str(DOCS)

@@ -174,6 +174,58 @@ def memory_table(names: Sequence[str] | None = None) -> Table:
     return Table(["target", "device", "memory", "usable by default", "rule"], rows)
 
 
+_FIT_WORDS = {
+    FITS: "fits what a program may use there by default",
+    OVER_SHARE: "fits the device's memory but not what a program may use by default",
+    TOO_BIG: "exceeds the device's memory",
+}
+
+
+def _describe(result: CaseResult, name: str) -> str:
+    found = result.select(name)
+    if found:
+        r = found[0]
+        t = result.target
+        where = f"; it {_FIT_WORDS[fit(r.total, t)]}" if t else ""
+        return f"{fmt_bytes(r.total)} ({fmt_bytes(r.temp)} of temporaries{where})"
+    entry = next((e for e in result.skipped if e["name"] == name), None)
+    if entry and entry["status"] == "does not fit":
+        return (
+            f"more than one device holds (XLA counts {fmt_bytes(entry['needed'])} of "
+            f"{entry['what']})"
+        )
+    return f"nothing: it does not compile ({_reason(entry['reason']) if entry else 'not measured'})"
+
+
+def target_summary(case: str, name: str, *, scale: str = "seed") -> Note:
+    """In two sentences, the reproduction and the recommended fix on target `name` against
+    this machine, at the reproduction's worst point here."""
+    results = on_targets(case, scale=scale, names=[name])
+    if name not in results:
+        return Note(f"No figures for {name}: {unavailable(name)}.")
+    here, there = results[CPU], results[name]
+    repro = here.select(role="reproduction")[0]
+    fix = recommended(here, repro.params)
+    t = get_target(name)
+    text = (
+        f"For {t.label} (per device), the reproduction `{repro.name}` needs "
+        f"{_describe(there, repro.name)}, against {fmt_bytes(repro.total)} on this machine."
+    )
+    if fix is not None:
+        theirs = there.select(fix.name)
+        mine = there.select(repro.name)
+        gain = ""
+        if theirs and mine:
+            ratio = mine[0].total / theirs[0].total
+            gain = (
+                f", {ratio:.2f}x less than the reproduction there"
+                if ratio >= 1.01
+                else ", no saving there"
+            ) + f" (here {repro.total / fix.total:.2f}x)"
+        text += f" The recommended fix `{fix.name}` needs {_describe(there, fix.name)}{gain}."
+    return Note(text)
+
+
 def buffer_contrast(
     case: str,
     variant: str,
@@ -384,3 +436,71 @@ def accelerator_report(case: str, *, claims_on: Sequence[str] = ("h100", "v5e"))
         items.append(buffer_contrast(case, repro[0].name, dict(repro[0].params), claims_on))
     items.append(claims_matrix(claims_by_target(case, claims_on)))
     return items
+
+
+class Html(str):
+    """HTML that a notebook renders and a terminal prints as its source."""
+
+    def _repr_html_(self) -> str:
+        return str(self)
+
+
+def case_table(
+    names: Sequence[str] | None = None, *, compare: Sequence[str] = ("h100", "v5e")
+) -> Html:
+    """The landing page's table: per case, the reproduction against the recommended fix at
+    the reproduction's worst point, on this machine and on each target in `compare`."""
+    import html
+
+    from ._case import case_names
+
+    wheres = [CPU, *(n for n in compare if unavailable(n) is None)]
+    head = ["Case", "Symptom", "Cause", "Recommended fix"]
+    head += [
+        f"{'This machine' if w == CPU else get_target(w).label}: before &rarr; after"
+        for w in wheres
+    ]
+    rows, labels = [], set()
+    for name in names or case_names():
+        case = get_case(name)
+        results = on_targets(name, names=[w for w in wheres if w != CPU])
+        here = results[CPU]
+        before = max(here.select(role="reproduction"), key=lambda r: r.total)
+        after = recommended(here, before.params)
+        fix = after.name if after else "-"
+        cells = [
+            f'<a href="cases/{name}.html">{html.escape(case.title.split(":")[0])}</a>',
+            html.escape(case.symptom),
+            html.escape(case.cause),
+            f"<code>{html.escape(fix)}</code>: {html.escape(case.variant(fix).summary) if after else ''}",
+        ]
+        for w in wheres:
+            got = results.get(w)
+            if got is None:
+                cells.append("-")
+                continue
+            labels.add(got.provenance.label())
+            b = got.select(before.name)
+            a = got.select(fix)
+            if b and a:
+                cells.append(
+                    f"<b>{fmt_bytes(b[0].total)} &rarr; {fmt_bytes(a[0].total)}</b><br>"
+                    f"{b[0].total / a[0].total:.1f}x less"
+                )
+            else:
+                cells.append(html.escape(f"{_cell(got, before.name)} → {_cell(got, fix)}"))
+        point = _params(before.params)
+        cells[3] += f"<br><small>at {html.escape(point)}</small>"
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    table = (
+        '<table class="runbook-table runbook-cases"><thead><tr>'
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table>"
+    )
+    note = (
+        '<p class="runbook-provenance">Compile-time bytes per device at each case\'s full '
+        "scale, measured by this build: " + html.escape("; ".join(sorted(labels))) + ".</p>"
+    )
+    return Html(table + note)

@@ -421,7 +421,14 @@ def verify(name: str, scale: str | None = None) -> list[dict[str, Any]]:
     scale = scale or case.runnable_scale
     case.scale(scale)
     if _needs_child(case):
-        return _subprocess.call(
-            "runbook._case:_verify_json", devices=case.devices, name=name, scale=scale
+        compute = functools.partial(
+            _subprocess.call,
+            "runbook._case:_verify_json",
+            devices=case.devices,
+            name=name,
+            scale=scale,
         )
-    return _verify_json(name, scale)
+    else:
+        compute = functools.partial(_verify_json, name, scale)
+    request = {"kind": "verify", "case": name, "scale": scale}
+    return _cache.cached(request, compute, module=_CASES[name])

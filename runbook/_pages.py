@@ -43,6 +43,22 @@ def fix_table(result: CaseResult, *, at: Mapping[str, Any] | None = None) -> Tab
     )
 
 
+def compare_variants(result: CaseResult, names: Sequence[str], x: str) -> Table:
+    """Totals of the variants `names` side by side at each value of param `x`."""
+    points = sorted({r.params[x] for r in result.reports if r.name in names})
+    rows = []
+    for point in points:
+        totals = [result.select(n, **{x: point}) for n in names]
+        cells = [fmt_bytes(t[0].total) if t else "-" for t in totals]
+        same = len({t[0].total for t in totals if t}) == 1 and all(totals)
+        rows.append([point, *cells, "yes" if same else "no"])
+    return Table(
+        [x, *names, "equal?"],
+        rows,
+        f"Compile-time totals per device. {result.provenance.label()}.",
+    )
+
+
 def verify_table(checks: Sequence[Mapping[str, Any]], case: str, scale: str | None = None) -> Table:
     """The same-result checks `runbook.verify` made, one row per fix and grid point."""
     c = get_case(case)

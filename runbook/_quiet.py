@@ -27,10 +27,9 @@ EXPECTED = re.compile(
 @contextlib.contextmanager
 def plugin_chatter() -> Iterator[None]:
     """Inside, stderr is captured; on exit every unexpected line is written back."""
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # no real descriptor (a notebook kernel)
-        fd = 2
+    # Descriptor 2 itself, whatever sys.stderr is: C++ writes there, and in a notebook kernel
+    # sys.stderr.fileno() names a saved copy of the terminal's descriptor instead.
+    fd = 2
     sys.stderr.flush()
     saved = os.dup(fd)
     with tempfile.TemporaryFile(mode="w+b") as capture:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from . import _subprocess
+from . import _cache, _subprocess
 from ._errors import WontFitError
 
 # Prediction and measurement agree when within this fraction plus this slack per device.
@@ -163,21 +164,31 @@ def runtime_peak(
         compiler_options: XLA options replacing the case's own (``{}``: XLA's defaults).
         repeats: timed executions after the measured one (the fastest is reported).
     """
-    from ._case import get_case
+    from ._case import _CASES, get_case
 
     c = get_case(case)
     c.variant(variant)
     scale = scale or c.runnable_scale
     size = c.scale(scale)
     params = dict(params if params is not None else c.grid(size)[0])
-    data = _subprocess.call(
-        "runbook._runtime:_peak_json",
-        devices=c.devices,
-        name=case,
-        variant=variant,
-        scale=scale,
-        params=params,
-        options=None if compiler_options is None else dict(compiler_options),
-        repeats=repeats,
+    request = {
+        "kind": "runtime-peak", "case": case, "variant": variant, "scale": scale,
+        "params": params, "options": None if compiler_options is None else dict(compiler_options),
+        "repeats": repeats,
+    }  # fmt: skip
+    data = _cache.cached(
+        request,
+        functools.partial(
+            _subprocess.call,
+            "runbook._runtime:_peak_json",
+            devices=c.devices,
+            name=case,
+            variant=variant,
+            scale=scale,
+            params=params,
+            options=request["options"],
+            repeats=repeats,
+        ),
+        module=_CASES[case],
     )
     return RuntimePeak(**data)

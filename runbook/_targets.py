@@ -257,9 +257,12 @@ def require(name: str | Target) -> Target:
 
 # --- compile-only devices ---------------------------------------------------------------------
 
-# libtpu reads these when it loads. None is needed to compile (checked by the tests): they stop
-# it from asking a cloud metadata server about a TPU that is not there, and from warning.
-_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+# libtpu reads these when it loads. Needed: a process that loads libtpu takes a lock file that
+# makes every other process's load fail, which pages executing side by side and a test's child
+# processes would hit. Not needed (checked by the tests), only quieter: the other two stop
+# libtpu from asking a cloud metadata server about a TPU that is not there.
+_TPU_SHARED = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+_TPU_QUIET = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
 
 
 def _ensure_cuda_plugin() -> None:
@@ -304,7 +307,7 @@ def _devices(name: str, count: int) -> tuple[Any, ...]:
         )
     else:
         assert target.tpu is not None
-        for key, value in _TPU_ENV.items():
+        for key, value in {**_TPU_SHARED, **_TPU_QUIET}.items():
             os.environ.setdefault(key, value)
         generation, shapes = target.tpu
         fitting = [n for n in shapes if n >= count]

@@ -11,6 +11,7 @@ from ._accelerator import (
     accelerator_report,
     available_targets,
     buffer_contrast,
+    case_table,
     claims_by_target,
     claims_matrix,
     devices_table,
@@ -20,6 +21,7 @@ from ._accelerator import (
     memory_table,
     on_targets,
     recommended,
+    target_summary,
     target_table,
     worst_point,
 )
@@ -33,7 +35,7 @@ from ._gpu_evidence import (
     per_device_note,
 )
 from ._history import History, Note, ReleaseFigures, history, load_versions
-from ._pages import fix_table, verify_table, ynn_accounting
+from ._pages import compare_variants, fix_table, verify_table, ynn_accounting
 from ._runtime import agreement
 
 __all__ = [
@@ -46,9 +48,11 @@ __all__ = [
     "agreement",
     "available_targets",
     "buffer_contrast",
+    "case_table",
     "claims_by_target",
     "claims_matrix",
     "claims_table",
+    "compare_variants",
     "devices_table",
     "devices_to_fit",
     "fit",
@@ -64,6 +68,7 @@ __all__ = [
     "on_targets",
     "per_device_note",
     "recommended",
+    "target_summary",
     "target_table",
     "verdict",
     "verify_table",

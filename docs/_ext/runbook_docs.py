@@ -1,15 +1,24 @@
-"""The site's own Sphinx extension: the build fingerprint, the case-list check, docstrings.
+"""The site's own Sphinx extension: per-page fingerprints, the case-list check, docstrings.
 
-Sphinx re-reads (and so re-executes) only the pages whose source changed. Every page's
-numbers also depend on the `runbook` package, the JAX release, the backend and the data
-files the pages read, so those go into the config value ``runbook_fingerprint``, which is
-registered with ``rebuild="env"``: when it changes, Sphinx discards its environment and
-every page runs again. A rebuild with nothing changed re-runs nothing.
+Sphinx re-reads (and so re-executes) only the pages whose source changed. A page's numbers
+also depend on code and data outside it, which each page names in its front matter::
+
+    runbook:
+      cases: [gather-grad]     # the case modules it measures ("all": every case)
+      data: [versions, gpu]    # the folders of docs/_data it reads ("all": every one)
+
+Every page also depends on the measurement core (the package outside ``runbook/cases``)
+and the environment (JAX versions, backend, compiler plugins, XLA/JAX variables). A page
+with no ``runbook`` key depends on everything. Before reading, the extension compares each
+page's fingerprint of those inputs with the one it was last built from and re-reads the
+pages whose inputs changed: editing one case module re-executes that case's page and the
+pages that show every case; editing the core re-executes every page.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -17,14 +26,13 @@ import platform
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 # Environment variables that change what XLA compiles (and so the bytes it reports).
-ENV_PREFIXES = ("XLA_", "JAX_", "TF_CPP_", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-# Under docs/, what is not an input of a page's numbers: build outputs, styling, tooling.
-# Pages (.md) are not hashed either: Sphinx already re-runs a page whose source changed.
-NOT_INPUTS = {"_build", "jupyter_execute", "_static", "_tools", "_ext", "__pycache__"}
+ENV_PREFIXES = ("XLA_", "JAX_", "TPU_", "TF_CPP_", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+PLUGINS = ("jax-cuda12-plugin", "libtpu", "nvidia-cuda-nvcc-cu12")
+ALL = "all"
 
 
 def backend() -> dict[str, Any]:
@@ -45,33 +53,162 @@ def backend() -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def fingerprint(
-    root: pathlib.Path, docs: pathlib.Path, environment: dict[str, Any] | None = None
-) -> tuple[str, dict[str, Any]]:
-    """A short hash of everything a number on the site depends on, and what went into it.
-
-    Args:
-        root: the repository (its ``runbook/**/*.py`` are hashed).
-        docs: the Sphinx source folder (its data files are hashed).
-        environment: JAX versions and backend; `backend()` when not given.
-    """
-    digest = hashlib.sha256()
-    for path in sorted((root / "runbook").rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    for path in sorted(docs.rglob("*")):
-        rel = path.relative_to(docs)
-        if path.is_file() and path.suffix != ".md" and not NOT_INPUTS & set(rel.parts):
-            if rel.as_posix() == "conf.py":
-                continue  # Sphinx compares its config values itself
-            digest.update(rel.as_posix().encode() + b"\0" + path.read_bytes())
-    parts: dict[str, Any] = {
-        **(environment if environment is not None else backend()),
+def environment(probe: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything outside the repository that a page's numbers depend on."""
+    plugins = {}
+    for dist in PLUGINS:
+        try:
+            plugins[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            plugins[dist] = None
+    return {
+        **(probe if probe is not None else backend()),
+        "plugins": plugins,
         "python": platform.python_version(),
         "machine": f"{platform.system()} {platform.machine()}",
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
     }
-    digest.update(json.dumps(parts, sort_keys=True).encode())
-    return digest.hexdigest()[:16], parts
+
+
+def _digest(paths: Iterable[pathlib.Path], base: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(path.relative_to(base).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def case_modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Each case's module file, by case name (read from the package's case registry)."""
+    text = (root / "runbook" / "_case.py").read_text()
+    found = re.findall(r'"([\w-]+)": "runbook\.cases\.(\w+)"', text)
+    return {name: root / "runbook" / "cases" / f"{module}.py" for name, module in found}
+
+
+def input_hashes(root: pathlib.Path, docs: pathlib.Path, env: Mapping[str, Any]) -> dict[str, str]:
+    """A short hash per input a page may depend on: ``core``, ``env``, ``case:<name>``,
+    ``data:<folder>``. A case module no registered case names counts as core."""
+    package = root / "runbook"
+    cases = case_modules(root)
+    hashes = {
+        "core": _digest((p for p in package.rglob("*.py") if p not in cases.values()), root),
+        "env": hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16],
+    }
+    for name, path in cases.items():
+        hashes[f"case:{name}"] = _digest([path], root) if path.exists() else "missing"
+    data = docs / "_data"
+    for folder in sorted(p for p in data.iterdir() if p.is_dir()) if data.exists() else []:
+        hashes[f"data:{folder.name}"] = _digest((p for p in folder.rglob("*") if p.is_file()), docs)
+    return hashes
+
+
+_FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
+
+
+def declared(page: pathlib.Path) -> dict[str, list[str] | str]:
+    """The ``runbook:`` block of a page's front matter: its cases and data folders."""
+    match = _FRONT.match(page.read_text())
+    block = {}
+    if match:
+        lines = match[1].splitlines()
+        inside = False
+        for line in lines:
+            if line.startswith("runbook:"):
+                inside = True
+                continue
+            if inside and line.startswith("  ") and ":" in line:
+                key, _, value = line.strip().partition(":")
+                value = value.strip()
+                block[key] = (
+                    [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+                    if value.startswith("[")
+                    else value
+                )
+            elif inside:
+                break
+    return {"cases": block.get("cases", ALL), "data": block.get("data", ALL)}
+
+
+def dependencies(page: pathlib.Path, hashes: Mapping[str, str]) -> list[str]:
+    """The inputs (keys of `hashes`) a page depends on."""
+    wanted = declared(page)
+    keys = ["core", "env"]
+    for kind in ("case", "data"):
+        names = wanted["cases" if kind == "case" else "data"]
+        available = [k for k in hashes if k.startswith(f"{kind}:")]
+        if names == ALL:
+            keys += available
+        else:
+            for name in names:
+                if kind == "case" and f"case:{name}" not in hashes:
+                    raise ValueError(f"{page.name}: unknown case {name!r} in its runbook: block")
+                keys.append(f"{kind}:{name}")  # a data folder not yet recorded counts too
+    return keys
+
+
+def page_fingerprint(page: pathlib.Path, hashes: Mapping[str, str]) -> str:
+    """A hash of the inputs `page` depends on."""
+    parts = {k: hashes.get(k, "absent") for k in dependencies(page, hashes)}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def dependency_rows(docs: pathlib.Path, hashes: Mapping[str, str]) -> list[list[str]]:
+    """Per page: what its numbers depend on, and its fingerprint (for the status page)."""
+    rows = []
+    for page in sorted(docs.rglob("*.md")):
+        rel = page.relative_to(docs)
+        if rel.parts[0].startswith("_") or rel.name == "README.md":
+            continue
+        deps = dependencies(page, hashes)
+        rows.append(
+            [rel.with_suffix("").as_posix(), ", ".join(deps), page_fingerprint(page, hashes)]
+        )
+    return rows
+
+
+# --- Sphinx --------------------------------------------------------------------------------
+
+
+def _hashes(app: Any) -> dict[str, str]:
+    if not hasattr(app, "_runbook_hashes"):
+        root = pathlib.Path(app.srcdir).parent
+        env = environment()
+        app._runbook_hashes = input_hashes(root, pathlib.Path(app.srcdir), env)
+        # The pages' kernels inherit these: the status page shows what the build hashed.
+        os.environ["RUNBOOK_DOCS_INPUTS"] = json.dumps(app._runbook_hashes, sort_keys=True)
+        os.environ["RUNBOOK_DOCS_ENVIRONMENT"] = json.dumps(env, sort_keys=True)
+    return app._runbook_hashes
+
+
+def _outdated(app: Any, env: Any, added: set[str], changed: set[str], removed: set[str]):
+    hashes = _hashes(app)
+    stored = getattr(env, "runbook_fingerprints", {})
+    stale = []
+    for docname in env.found_docs:
+        if docname in added or docname in changed:
+            continue
+        page = pathlib.Path(env.doc2path(docname))
+        if stored.get(docname) != page_fingerprint(page, hashes):
+            stale.append(docname)
+    return stale
+
+
+def _record(app: Any, doctree: Any) -> None:
+    env = app.env
+    page = pathlib.Path(env.doc2path(env.docname))
+    if not hasattr(env, "runbook_fingerprints"):
+        env.runbook_fingerprints = {}
+    env.runbook_fingerprints[env.docname] = page_fingerprint(page, _hashes(app))
+
+
+def _purge(app: Any, env: Any, docname: str) -> None:
+    getattr(env, "runbook_fingerprints", {}).pop(docname, None)
+
+
+def _merge(app: Any, env: Any, docnames: Iterable[str], other: Any) -> None:
+    if not hasattr(env, "runbook_fingerprints"):
+        env.runbook_fingerprints = {}
+    mine = getattr(other, "runbook_fingerprints", {})
+    env.runbook_fingerprints.update({d: mine[d] for d in docnames if d in mine})
 
 
 def case_toctree_problem(listed: Sequence[str], case_names: Sequence[str]) -> str | None:
@@ -127,8 +264,11 @@ def _process_docstring(app: Any, what: str, name: str, obj: Any, options: Any, l
 
 
 def setup(app: Any) -> dict[str, Any]:
-    app.add_config_value("runbook_fingerprint", "", "env")
+    app.connect("env-get-outdated", _outdated)
+    app.connect("doctree-read", _record)
+    app.connect("env-purge-doc", _purge)
+    app.connect("env-merge-info", _merge)
     app.connect("env-check-consistency", _check_case_pages)
     # After napoleon (priority 500) has turned the Google-style sections into fields.
     app.connect("autodoc-process-docstring", _process_docstring, priority=900)
-    return {"parallel_read_safe": True, "parallel_write_safe": True}
+    return {"parallel_read_safe": True, "parallel_write_safe": True, "env_version": 2}

@@ -1,0 +1,206 @@
+"""Targets: figures really come from the GPU and TPU compilers, and bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import runbook
+from runbook import _targets
+from runbook._cli import main
+from runbook.cases.gather_grad import loss
+
+GIB = 2**30
+X = jax.ShapeDtypeStruct((128, 128, 128), jnp.float32)
+IDX = jax.ShapeDtypeStruct((2**20, 3), jnp.int32)
+
+
+def test_the_issue_targets_are_listed_with_their_memory():
+    found = {t.name: t for t in runbook.targets()}
+    for name in ("h100", "a100", "h200", "v5e", "v5p", "v6e"):
+        assert name in found
+        assert found[name].memory >= 16 * GIB
+    assert found["h200"].memory > found["h100"].memory
+    assert {found["h100"].platform, found["v5e"].platform} == {"cuda", "tpu"}
+
+
+def test_an_unknown_target_names_the_valid_ones():
+    with pytest.raises(runbook.UnknownNameError, match=r"unknown target 'h99'; valid: h100"):
+        runbook.get_target("h99")
+
+
+def _dump_names(target: str | None) -> list[str]:
+    with tempfile.TemporaryDirectory() as dump:
+        runbook.compile_fn(
+            jax.grad(loss), X, IDX, compiler_options={"xla_dump_to": dump}, target=target
+        )
+        return [p.name for p in pathlib.Path(dump).iterdir()]
+
+
+def test_a_gpu_target_is_compiled_by_the_gpu_compiler():
+    names = _dump_names("h100")
+    # XLA's GPU compiler names its dumps after the compute capability, and writes PTX.
+    assert any("sm_9.0" in n and "gpu_after_optimizations" in n for n in names)
+    assert any(n.endswith(".ptx") for n in names)
+    assert not any("cpu_after_optimizations" in n for n in names)
+
+
+def test_a_tpu_target_is_compiled_by_the_tpu_compiler():
+    names = _dump_names("v5e")
+    assert any(n.endswith("tpu_comp_env.txt") for n in names)
+    assert not any("cpu_after_optimizations" in n for n in names)
+
+
+def test_cpu_and_h100_figures_differ_for_gather_grad():
+    cpu = runbook.measure(jax.grad(loss), X, IDX)
+    h100 = runbook.measure(jax.grad(loss), X, IDX, target="h100")
+    assert h100.provenance.target == "h100"
+    assert h100.provenance.backend == "cuda"
+    assert "H100" in h100.provenance.label()
+    assert "prediction" in h100.provenance.label()
+    # The CPU compiler copies the index for the scatter; the GPU compiler fuses it away.
+    assert cpu.temp >= IDX.shape[0] * 3 * 4
+    assert h100.temp < cpu.temp / 10
+
+
+def test_gpu_targets_differ_only_where_the_hardware_does():
+    a100 = runbook.measure(jax.grad(loss), X, IDX, target="a100")
+    h100 = runbook.measure(jax.grad(loss), X, IDX, target="h100")
+    assert a100.provenance.device_kind != h100.provenance.device_kind
+    assert a100.argument == h100.argument
+
+
+def test_a_pmap_built_on_this_machines_devices_is_refused_for_a_target():
+    f = jax.pmap(lambda a: a * 2)
+    with pytest.raises(runbook.RunbookError, match="not for target 'h100'"):
+        runbook.measure(f, jax.ShapeDtypeStruct((1, 8), jnp.float32), target="h100")
+
+
+def test_a_pmap_built_on_target_devices_compiles_for_it():
+    devices = runbook.target_devices("h100", 2)
+    f = jax.pmap(lambda a: a * 2, devices=devices)
+    report = runbook.measure(f, jax.ShapeDtypeStruct((2, 8), jnp.float32), target="h100")
+    assert report.provenance.devices == 2
+    assert report.argument == 8 * 4  # per device
+
+
+def test_sharded_inputs_keep_their_sharding_on_the_target():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(runbook.target_devices("v5e", 4)), ("d",))
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    report = runbook.measure(lambda a: a * 2, x, target="v5e")
+    assert report.provenance.devices == 4
+    assert report.argument == 4096 * 1024 * 4 // 4
+
+
+def test_a_program_too_large_for_a_chip_is_a_finding_with_xlas_figures():
+    result = runbook.measure_case("gather-grad", "seed", target="v5e", at={"index_dtype": "int32"})
+    grad = next(e for e in result.skipped if e["name"] == "grad")
+    assert grad["status"] == "does not fit"
+    assert grad["needed"] > grad["limit"] > 15 * GIB
+    assert "HLO temporaries" in grad["what"]
+
+
+def test_tpu_usable_memory_is_read_from_the_compiler():
+    usable = runbook.get_target("v5e").usable()
+    assert 15 * GIB < usable <= 16 * GIB
+
+
+def test_gpu_usable_memory_is_the_allocators_default_share():
+    h100 = runbook.get_target("h100")
+    assert h100.usable() == int(0.75 * h100.memory)
+
+
+@pytest.mark.parametrize(
+    ("fake", "expected"),
+    [
+        ({"machine": "arm64", "system": "Darwin"}, "Linux x86-64 only; this machine is Darwin"),
+        ({"plugin": None}, "jax-cuda12-plugin is not installed"),
+        ({"plugin": "0.0.1"}, "does not match jaxlib"),
+    ],
+)
+def test_a_missing_compiler_is_one_clear_line(monkeypatch, fake, expected):
+    if "machine" in fake:
+        monkeypatch.setattr(_targets.platform, "machine", lambda: fake["machine"])
+        monkeypatch.setattr(_targets.platform, "system", lambda: fake["system"])
+    if "plugin" in fake:
+        monkeypatch.setattr(_targets, "_version", lambda dist: fake["plugin"])
+    reason = _targets.unavailable("h100")
+    assert reason is not None
+    assert expected in reason
+    assert "\n" not in reason
+    with pytest.raises(runbook.RunbookError, match="cannot compile for target 'h100'"):
+        runbook.measure(lambda a: a, jax.ShapeDtypeStruct((2,), jnp.float32), target="h100")
+
+
+def _tpu_child(clear: str) -> subprocess.CompletedProcess[str]:
+    """Compile for a v5e in a fresh process with the package's `clear` variables unset."""
+    code = (
+        f"import jax, jax.numpy as jnp, runbook, runbook._targets as t; t.{clear}.clear();"
+        "r = runbook.measure(lambda a: a * 2, jax.ShapeDtypeStruct((1024,), jnp.float32),"
+        " target='v5e'); print(r.argument)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "ALLOW_MULTIPLE"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_tpu_compiles_need_none_of_the_quieting_variables():
+    runbook.target_devices("v5e")  # this process holds libtpu, as a page beside it would
+    out = _tpu_child("_TPU_QUIET")
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.strip().splitlines()[-1] == "4096"
+
+
+def test_tpu_compiles_side_by_side_need_the_shared_load_variable():
+    runbook.target_devices("v5e")
+    out = _tpu_child("_TPU_SHARED")
+    assert out.returncode != 0
+    assert "libtpu multi-process lockfile" in out.stderr
+
+
+def test_cli_run_with_a_target_names_it_in_the_json(capsys):
+    assert (
+        main(["run", "gather-grad", "--scale", "tiny", "--target", "h100", "--json", "--quiet"])
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["target"] == {
+        "name": "h100",
+        "device_kind": runbook.get_target("h100").label,
+        "memory": runbook.get_target("h100").memory,
+    }
+    assert data["backend"] == "cuda"
+    assert data["variants"]
+
+
+def test_cli_run_without_a_target_has_a_null_target(capsys):
+    assert main(["run", "gather-grad", "--scale", "tiny", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] is None
+
+
+def test_cli_reports_what_does_not_fit_and_exits_0(capsys):
+    assert main(["run", "gather-grad", "--target", "v5e", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT one device" in out
+    assert "HLO temporaries" in out
+
+
+def test_cli_lists_the_targets(capsys):
+    assert main(["targets"]) == 0
+    out = capsys.readouterr().out
+    for t in runbook.targets():
+        assert t.name in out
+        assert t.label in out
