@@ -14,7 +14,6 @@ import sys
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(DOCS / "_ext"))
-import runbook_docs  # the site's own extension, next to this file
 
 project = "JAX Memory Runbook"
 author = "JAX Memory Runbook developers"

@@ -101,7 +101,7 @@ def input_hashes(root: pathlib.Path, docs: pathlib.Path, env: Mapping[str, Any])
     return hashes
 
 
-_FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
+_FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.DOTALL)
 
 
 def declared(page: pathlib.Path) -> dict[str, list[str] | str]:
