@@ -1,5 +1,6 @@
-"""The docs' own Sphinx extension (docs/_ext/runbook_docs.py): the build fingerprint that
-keeps numbers from going stale, and the check that the navigation mirrors the case list."""
+"""The docs' own Sphinx extension (docs/_ext/runbook_docs.py): the per-page fingerprints that
+re-run exactly the pages whose inputs changed, and the check that the navigation mirrors
+the case list."""
 
 from __future__ import annotations
 
@@ -28,70 +29,125 @@ JAX = {
 }
 
 
+PAGE = """---
+kernelspec:
+  name: python3
+runbook:
+  cases: [{cases}]
+  data: [{data}]
+---
+
+# A page
+"""
+
+
 @pytest.fixture
 def tree(tmp_path: pathlib.Path) -> pathlib.Path:
-    """A copy of the package and a small docs folder."""
+    """A copy of the package and a small docs folder with three pages."""
     shutil.copytree(ROOT / "runbook", tmp_path / "runbook")
     docs = tmp_path / "docs"
-    for folder in ("cases", "_static", "_build/html", "_data"):
+    for folder in ("cases", "_static", "_build/html", "_data/versions", "_data/gpu"):
         (docs / folder).mkdir(parents=True)
-    (docs / "index.md").write_text("# page\n")
+    (docs / "cases" / "gather-grad.md").write_text(PAGE.format(cases="gather-grad", data="gpu"))
+    (docs / "cases" / "pmap-loop.md").write_text(PAGE.format(cases="pmap-loop", data=""))
+    (docs / "index.md").write_text("# the landing page, with no runbook block\n")
     (docs / "conf.py").write_text("project = 'x'\n")
     (docs / "_static" / "site.css").write_text("p {}\n")
     (docs / "_build" / "html" / "index.html").write_text("<p>built</p>\n")
-    (docs / "_data" / "matrix.json").write_text('{"bytes": 1}\n')
+    (docs / "_data" / "versions" / "0.1.json").write_text('{"bytes": 1}\n')
+    (docs / "_data" / "gpu" / "H100.json").write_text('{"bytes": 2}\n')
     return tmp_path
 
 
-def _print(tree: pathlib.Path, environment: dict | None = None) -> str:
-    return runbook_docs.fingerprint(tree, tree / "docs", environment or JAX)[0]
+def _prints(tree: pathlib.Path, probe: dict | None = None) -> dict[str, str]:
+    """Each page's fingerprint."""
+    env = runbook_docs.environment(probe or JAX)
+    hashes = runbook_docs.input_hashes(tree, tree / "docs", env)
+    docs = tree / "docs"
+    return {
+        p.relative_to(docs).as_posix(): runbook_docs.page_fingerprint(p, hashes)
+        for p in docs.rglob("*.md")
+        if "_build" not in p.parts
+    }
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        "runbook/_measure.py",
-        "runbook/cases/gather_grad.py",
-        "docs/_data/matrix.json",
-    ],
-)
-def test_a_change_to_what_numbers_depend_on_changes_the_fingerprint(tree, change):
-    before = _print(tree)
-    with (tree / change).open("a") as f:
+def _touch(tree: pathlib.Path, path: str) -> None:
+    with (tree / path).open("a") as f:
         f.write("\n# changed\n")
-    assert _print(tree) != before
 
 
-def test_a_new_package_module_changes_the_fingerprint(tree):
-    before = _print(tree)
+def _changed(tree: pathlib.Path, path: str) -> set[str]:
+    before = _prints(tree)
+    _touch(tree, path)
+    after = _prints(tree)
+    return {page for page in before if before[page] != after[page]}
+
+
+def test_a_case_module_reruns_its_page_and_the_pages_of_every_case(tree):
+    assert _changed(tree, "runbook/cases/gather_grad.py") == {"cases/gather-grad.md", "index.md"}
+
+
+def test_the_core_reruns_every_page(tree):
+    assert _changed(tree, "runbook/_measure.py") == set(_prints(tree))
+
+
+def test_a_data_folder_reruns_the_pages_that_read_it(tree):
+    assert _changed(tree, "docs/_data/gpu/H100.json") == {"cases/gather-grad.md", "index.md"}
+    assert _changed(tree, "docs/_data/versions/0.1.json") == {"index.md"}
+
+
+def test_a_new_case_module_not_yet_registered_counts_as_core(tree):
+    before = _prints(tree)
     (tree / "runbook" / "cases" / "new_case.py").write_text("CASE = None\n")
-    assert _print(tree) != before
+    after = _prints(tree)
+    assert all(before[p] != after[p] for p in before)
 
 
 @pytest.mark.parametrize(
-    "change",
-    ["docs/index.md", "docs/conf.py", "docs/_static/site.css", "docs/_build/html/index.html"],
+    "change", ["docs/conf.py", "docs/_static/site.css", "docs/_build/html/index.html"]
 )
-def test_pages_styling_and_build_outputs_leave_it_alone(tree, change):
+def test_styling_and_build_outputs_rerun_nothing(tree, change):
     # Sphinx re-runs a changed page itself and compares conf.py's values itself.
-    before = _print(tree)
-    with (tree / change).open("a") as f:
-        f.write("\n")
-    assert _print(tree) == before
+    assert _changed(tree, change) == set()
 
 
 @pytest.mark.parametrize(
     ("key", "value"), [("jax", "2"), ("jaxlib", "2"), ("backend", "gpu"), ("devices", 8)]
 )
-def test_jax_and_the_backend_change_the_fingerprint(tree, key, value):
-    assert _print(tree, {**JAX, key: value}) != _print(tree)
+def test_jax_and_the_backend_rerun_every_page(tree, key, value):
+    before, after = _prints(tree), _prints(tree, {**JAX, key: value})
+    assert all(before[p] != after[p] for p in before)
 
 
-def test_xla_flags_change_the_fingerprint(tree, monkeypatch):
+def test_xla_flags_rerun_every_page(tree, monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    before = _print(tree)
+    before = _prints(tree)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    assert _print(tree) != before
+    after = _prints(tree)
+    assert all(before[p] != after[p] for p in before)
+
+
+def test_a_page_without_a_block_depends_on_everything(tree):
+    hashes = runbook_docs.input_hashes(tree, tree / "docs", runbook_docs.environment(JAX))
+    deps = runbook_docs.dependencies(tree / "docs" / "index.md", hashes)
+    assert set(deps) == set(hashes)
+
+
+def test_an_unknown_case_in_a_block_is_an_error(tree):
+    page = tree / "docs" / "cases" / "bad.md"
+    page.write_text(PAGE.format(cases="no-such-case", data=""))
+    hashes = runbook_docs.input_hashes(tree, tree / "docs", runbook_docs.environment(JAX))
+    with pytest.raises(ValueError, match="unknown case 'no-such-case'"):
+        runbook_docs.page_fingerprint(page, hashes)
+
+
+def test_every_real_page_declares_what_it_reads():
+    hashes = runbook_docs.input_hashes(ROOT, ROOT / "docs", runbook_docs.environment(JAX))
+    rows = runbook_docs.dependency_rows(ROOT / "docs", hashes)
+    pages = {row[0] for row in rows}
+    assert {"index", "status", "cases/gather-grad"} <= pages
+    for page in (ROOT / "docs" / "cases").glob("*.md"):
+        assert runbook_docs.declared(page)["cases"] == [page.stem]
 
 
 def test_backend_is_asked_of_a_child_process():
