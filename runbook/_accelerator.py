@@ -69,10 +69,25 @@ def on_targets(
     """
     here = measure_case(case, scale, buffers=buffers)
     point = dict(at) if at is not None else worst_point(here)
-    results = {CPU: _at(here, point)}
-    for t in available_targets(names):
-        results[t.name] = measure_case(case, scale, target=t.name, at=point, buffers=buffers)
-    return results
+    chosen = [t.name for t in available_targets(names)]
+    found = parallel(
+        lambda name: measure_case(case, scale, target=name, at=point, buffers=buffers), chosen
+    )
+    return {CPU: _at(here, point), **dict(zip(chosen, found, strict=True))}
+
+
+def parallel(fn: Any, items: Sequence[Any]) -> list[Any]:
+    """`fn` over `items` in threads, one per core: XLA's compilers release Python's lock,
+    so compiles for different targets run side by side."""
+    import concurrent.futures
+    import contextvars
+    import os
+
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with concurrent.futures.ThreadPoolExecutor(min(len(items), os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(contextvars.copy_context().run, fn, x) for x in items]
+        return [f.result() for f in futures]
 
 
 def _at(result: CaseResult, params: Mapping[str, Any]) -> CaseResult:
@@ -365,20 +380,20 @@ def claims_by_target(
     at all, the value is the reason.
     """
     module = importlib.import_module(_CASES[case])
-    found: dict[str, list[Claim] | str] = {CPU: module.claims()}
-    for name in names:
-        if unavailable(name) is not None:
-            continue
+    small = get_case(case).runnable_scale
+
+    def decide(name: str) -> tuple[str, list[Claim] | str]:
+        # Decide at the seed scale if the reproduction compiles there, else at `small`.
+        seed = on_targets(case, scale=scale, names=[name])[name]
+        where = scale if seed.select(role="reproduction") else small
         try:
-            found[name] = module.claims(target=name)
+            label = name if where == scale else f"{name} (scale {where!r})"
+            return label, module.claims(target=name, scale=where)
         except RunbookError as e:
-            small = get_case(case).runnable_scale
-            try:
-                result = measure_case(case, small, target=name, buffers=True)
-                found[f"{name} (scale {small!r})"] = module.claims(result)
-            except RunbookError:
-                found[name] = str(e)
-    return found
+            return name, str(e)
+
+    chosen = [n for n in names if unavailable(n) is None]
+    return {CPU: module.claims(), **dict(parallel(decide, chosen))}
 
 
 def claims_matrix(found: Mapping[str, list[Claim] | str]) -> Table:

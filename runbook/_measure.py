@@ -126,10 +126,7 @@ def compile_fn(
         with _targets.compiling_for(t):
             options = {**_targets.compiler_options(t), **(compiler_options or {})}
             placed = _targets.place(args, t, unsharded=not _is_pmap(fn))
-            try:
-                compiled = compile_fn(fn, *placed, compiler_options=options)
-            except DoesNotFitError as e:
-                raise _whole_program_need(e, fn, placed, options) from e
+            compiled = compile_fn(fn, *placed, compiler_options=options)
         platforms = {d.platform for d in _devices(compiled)}
         if platforms - set(
             t.device_platforms
@@ -166,32 +163,6 @@ def compile_fn(
                 what=what,
             ) from e
         raise RunbookError(f"XLA could not compile `{name}`: {_first_line(e, 300)}") from e
-
-
-def _whole_program_need(
-    error: DoesNotFitError, fn: Callable[..., Any], args: Any, options: Mapping[str, Any]
-) -> DoesNotFitError:
-    """Past a single buffer too large for the chip, what does the whole program need?
-
-    TPU compiles keep going past the chip's memory (`_targets.compiler_options`) until one
-    buffer alone exceeds it. Compiled again without that option, XLA stops at its first
-    check and names the total of temporaries it would need, the figure a reader wants.
-    """
-    if error.what != "one buffer" or "xla_tpu_no_crash_on_oom" not in options:
-        return error
-    strict = {k: v for k, v in options.items() if k != "xla_tpu_no_crash_on_oom"}
-    try:
-        compile_fn(fn, *args, compiler_options=strict)
-    except DoesNotFitError as e:
-        if e.what != "one buffer":
-            return DoesNotFitError(
-                f"{e} (its largest buffer alone needs {error.needed:,} bytes, the chip "
-                f"holds {error.limit:,})",
-                needed=e.needed,
-                limit=e.limit,
-                what=e.what,
-            )
-    return error
 
 
 def _devices(compiled: Any) -> set[Any]:

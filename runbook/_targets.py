@@ -361,17 +361,18 @@ def compiler_options(name: str | Target) -> dict[str, Any]:
     """XLA options every compile for this target gets.
 
     GPU: the PTX assembler from the ``nvidia-cuda-nvcc-cu12`` wheel, so that the figures do
-    not depend on which CUDA toolkit (if any) this machine has. TPU: keep going past the
-    chip's memory, so that a program too big for one chip still reports what it needs
-    (as long as no single buffer exceeds the chip).
+    not depend on which CUDA toolkit (if any) this machine has. TPU: none. XLA's TPU
+    compiler stops at its first memory check when a program cannot fit, in a fraction of a
+    second, and names what it would need; ``{"xla_tpu_no_crash_on_oom": True}`` makes it go
+    on and report the full breakdown past the limit (as long as no single buffer exceeds
+    the chip), at several times the compile time.
     """
     target = get_target(name)
     if target.platform == "cuda":
         spec = importlib.util.find_spec("nvidia.cuda_nvcc")
         if spec is not None and spec.submodule_search_locations:
             return {"xla_gpu_cuda_data_dir": str(next(iter(spec.submodule_search_locations)))}
-        return {}
-    return {"xla_tpu_no_crash_on_oom": True}
+    return {}
 
 
 # --- placing abstract inputs on a target -------------------------------------------------------

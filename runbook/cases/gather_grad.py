@@ -186,18 +186,21 @@ def _needs(result: CaseResult, name: str, **params: Any):
     raise RunbookError(f"{name} could not be measured on {result.provenance.device_kind}: {why}")
 
 
-def claims(result: CaseResult | None = None, *, target: str | None = None) -> list[Claim]:
+def claims(
+    result: CaseResult | None = None, *, target: str | None = None, scale: str = "seed"
+) -> list[Claim]:
     """Every claim of the write-up, decided by measurements at the seed scale.
 
     Args:
         result: the case measured with buffers (measured here when not given).
         target: decide the claims for this compile target instead of this backend.
+        scale: the scale to measure at when `result` is not given.
 
     Raises:
         RunbookError: the programs the claims rest on cannot be compiled for `target`.
     """
     if result is None:
-        result = measure_case("gather-grad", "seed", buffers=True, target=target)
+        result = measure_case("gather-grad", scale, buffers=True, target=target)
     target = result.provenance.target or None
     scale = CASE.scales[result.scale]
     args32 = _args(scale, {"index_dtype": "int32"}, False)

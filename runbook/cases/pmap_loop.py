@@ -279,20 +279,25 @@ def _count_products(compiled: Any) -> int:
     return len(_PRODUCT.findall(compiled.as_text()))
 
 
-def claims(result: CaseResult | None = None, *, target: str | None = None) -> list[Claim]:
+def claims(
+    result: CaseResult | None = None, *, target: str | None = None, scale: str = "seed"
+) -> list[Claim]:
     """Every claim of the write-up, decided by measurements at the seed scale (per device).
 
     Args:
-        result: the case measured at seed scale (measured here when not given).
+        result: the case measured (measured here when not given).
         target: decide the claims for this compile target instead of this backend.
+        scale: the scale to measure at when `result` is not given.
     """
     if result is not None:
         target = result.provenance.target or None
     if target is None and jax.device_count() < DEVICES:
-        data = _subprocess.call("runbook.cases.pmap_loop:_claims_json", devices=DEVICES)
+        data = _subprocess.call(
+            "runbook.cases.pmap_loop:_claims_json", devices=DEVICES, scale=scale
+        )
         return [Claim(**c) for c in data]
     with _targets.compiling_for(target):
-        return _claims(result or measure_case("pmap-loop", "seed", target=target), target)
+        return _claims(result or measure_case("pmap-loop", scale, target=target), target)
 
 
 def _claims(result: CaseResult, target: str | None) -> list[Claim]:
@@ -424,5 +429,5 @@ def _claims(result: CaseResult, target: str | None) -> list[Claim]:
     return out
 
 
-def _claims_json() -> list[dict[str, str]]:
-    return [dataclasses.asdict(c) for c in claims()]
+def _claims_json(scale: str = "seed") -> list[dict[str, str]]:
+    return [dataclasses.asdict(c) for c in claims(scale=scale)]
