@@ -144,32 +144,43 @@ def test_a_missing_compiler_is_one_clear_line(monkeypatch, fake, expected):
         runbook.measure(lambda a: a, jax.ShapeDtypeStruct((2,), jnp.float32), target="h100")
 
 
-def _tpu_child(clear: str) -> subprocess.CompletedProcess[str]:
-    """Compile for a v5e in a fresh process with the package's `clear` variables unset."""
-    code = (
-        f"import jax, jax.numpy as jnp, runbook, runbook._targets as t; t.{clear}.clear();"
-        "r = runbook.measure(lambda a: a * 2, jax.ShapeDtypeStruct((1024,), jnp.float32),"
-        " target='v5e'); print(r.argument)"
-    )
+_COMPILE_V5E = (
+    "import sys, time, jax, jax.numpy as jnp, runbook, runbook._targets as t; {clear}"
+    "r = runbook.measure(lambda a: a * 2, jax.ShapeDtypeStruct((1024,), jnp.float32),"
+    " target='v5e'); print(r.argument, flush=True); time.sleep({hold})"
+)
+
+
+def _tpu_child(clear: str, hold: float = 0) -> subprocess.Popen[str]:
+    """A fresh process compiling for a v5e with the package's `clear` variables unset."""
+    code = _COMPILE_V5E.format(clear=f"t.{clear}.clear();" if clear else "", hold=hold)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "ALLOW_MULTIPLE"))}
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
-    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
 
 
 def test_tpu_compiles_need_none_of_the_quieting_variables():
-    runbook.target_devices("v5e")  # this process holds libtpu, as a page beside it would
-    out = _tpu_child("_TPU_QUIET")
-    assert out.returncode == 0, out.stderr[-500:]
-    assert out.stdout.strip().splitlines()[-1] == "4096"
+    out, err = _tpu_child("_TPU_QUIET").communicate(timeout=300)
+    assert out.strip().splitlines()[-1] == "4096", err[-500:]
 
 
 def test_tpu_compiles_side_by_side_need_the_shared_load_variable():
-    runbook.target_devices("v5e")
-    out = _tpu_child("_TPU_SHARED")
-    assert out.returncode != 0
-    assert "libtpu multi-process lockfile" in out.stderr
+    # A process that loads libtpu without the variable locks every other process out of it,
+    # unless the other sets the variable, as the package does.
+    holder = _tpu_child("_TPU_SHARED", hold=60)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "4096"
+        _, refused = _tpu_child("_TPU_SHARED").communicate(timeout=300)
+        assert "libtpu multi-process lockfile" in refused
+        allowed, err = _tpu_child("").communicate(timeout=300)
+        assert allowed.strip().splitlines()[-1] == "4096", err[-500:]
+    finally:
+        holder.kill()
+        holder.communicate()
 
 
 def test_cli_run_with_a_target_names_it_in_the_json(capsys):
