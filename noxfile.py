@@ -80,14 +80,21 @@ def _releases() -> tuple[str, ...]:
 @nox.session(default=False)
 @nox.parametrize("release", _releases(), ids=_releases())
 def versions(session: nox.Session, release: str) -> None:
-    """Measure every case in a fresh environment per JAX release (`-- --time-limit 120`).
+    """Measure every case in a fresh environment per JAX release (`-- --time-limit 120`), on
+    CPU and compiled for an H100 where that release's GPU compiler is published.
 
     Writes docs/_data/versions/<release>.json; `nox -s "versions(0.4.30)"` runs one release.
     """
     session.install(f"jax=={release}", f"jaxlib=={release}", "numpy")
     session.install("--no-deps", "-e.")  # matplotlib is only needed to plot, not to measure
+    try:  # the GPU compiler of this release, where one was published; else "not applicable"
+        session.install(f"jax-cuda12-plugin=={release}", "nvidia-cuda-nvcc-cu12>=12.6.85")
+    except nox.command.CommandFailed:
+        session.log(f"no jax-cuda12-plugin {release}: its GPU targets are recorded as such")
     out = ROOT / "docs" / "_data" / "versions" / f"{release}.json"
-    session.run("python", "-m", "runbook._matrix", "--out", str(out), *session.posargs)
+    session.run(
+        "python", "-m", "runbook._matrix", "--out", str(out), *session.posargs, env=CPU_ONLY
+    )
 
 
 @nox.session(default=False, venv_backend="none")

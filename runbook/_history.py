@@ -316,11 +316,32 @@ def _headline_params(releases: Sequence[Mapping[str, Any]], case: str) -> dict[s
     return dict(first[0]["params"])
 
 
-def history(case: str, *, data_dir: str | pathlib.Path | None = None) -> History:
+def _on_target(release: Mapping[str, Any], case: str, target: str) -> dict[str, Any]:
+    """`release` with its figures for `case` replaced by those compiled for `target`; where
+    the release could not compile for it, every program carries that status and reason."""
+    found = release.get("targets", {}).get(target)
+    if found is not None and found["status"] == "ok" and case in found.get("cases", {}):
+        return {**release, "backend": found["cases"][case]["backend"],
+                "cases": {case: found["cases"][case]}}  # fmt: skip
+    status = found["status"] if found else "not measured"
+    reason = found["reason"] if found else "this release's file predates target measurements"
+    cpu = release["cases"][case]
+    entries = [
+        {"name": e["name"], "role": e["role"], "params": e["params"], "status": status,
+         "reason": reason, "seconds": None}
+        for e in [*cpu["variants"], *cpu["skipped"]]
+    ]  # fmt: skip
+    return {**release, "cases": {case: {**cpu, "variants": [], "skipped": entries}}}
+
+
+def history(
+    case: str, *, target: str | None = None, data_dir: str | pathlib.Path | None = None
+) -> History:
     """Case `case` in every committed release: reproduction against best fix, per release.
 
     Args:
         case: a case name (see `case_names()`).
+        target: the figures compiled for this target (e.g. ``"h100"``) instead of the CPU's.
         data_dir: the folder holding ``versions/``; defaults to the project's ``docs/_data``.
 
     Returns:
@@ -330,12 +351,19 @@ def history(case: str, *, data_dir: str | pathlib.Path | None = None) -> History
     releases = [r for r in load_versions(data_dir) if case in r["cases"]]
     if not releases:
         raise RunbookError(f"no release file measured case {case!r}: run `nox -s versions`.")
+    if target is not None:
+        releases = [_on_target(r, case, target) for r in releases]
     params = _headline_params(releases, case)
     first, last = releases[0], releases[-1]
     machines = sorted({r["host"]["cpu"] for r in releases if "host" in r})
     dates = sorted({r["generated"] for r in releases})
+    where = (
+        f"compiled for the {target} target without the device"
+        if target
+        else f"{last['backend'].upper()} backend"
+    )
     provenance = (
-        f"{last['backend'].upper()} backend, {last['cases'][case]['devices']} device(s); "
+        f"{where}, {last['cases'][case]['devices']} device(s); "
         f"jax {first['jax']} to {last['jax']}; measured {dates[0]}"
         f"{' to ' + dates[-1] if len(dates) > 1 else ''} on {', '.join(machines) or 'unknown'}"
     )

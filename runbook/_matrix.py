@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -27,11 +28,11 @@ from typing import Any
 
 from . import __version__, _subprocess
 from ._case import Case, Variant, case_names, get_case
-from ._errors import RunbookError
+from ._errors import DoesNotFitError, RunbookError
 from ._measure import measure
 from ._provenance import Provenance
 
-STATUSES = ("ok", "not applicable", "failed", "timeout", "not attempted")
+STATUSES = ("ok", "not applicable", "does not fit", "failed", "timeout", "not attempted")
 # Seconds one program may take to compile (process start and JAX import included).
 TIME_LIMIT = 240.0
 
@@ -60,15 +61,28 @@ def one_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def _measure_point(name: str, variant: str, scale: str, params: dict[str, Any]) -> dict[str, Any]:
+def _measure_point(
+    name: str, variant: str, scale: str, params: dict[str, Any], target: str | None = None
+) -> dict[str, Any]:
     """In the child: compile one program, return its CLI-shaped entry or the failure."""
+    from . import _targets
+
     case = get_case(name)
     v = case.variant(variant)
     size = case.scale(scale)
-    provenance = dataclasses.asdict(Provenance.current())
+    provenance = dataclasses.asdict(
+        Provenance.for_target(target, case.devices) if target else Provenance.current()
+    )
     try:
-        args = case.inputs(v, size, params, False)
-        report = measure(v.program(params), *args, name=v.name, compiler_options=case.options())
+        with _targets.compiling_for(target):
+            args = case.inputs(v, size, params, False)
+            options = case.options() if target is None else {}
+            report = measure(
+                v.program(params), *args, name=v.name, compiler_options=options, target=target
+            )
+    except DoesNotFitError as e:
+        return {"status": "does not fit", "reason": one_line(str(e)), "needed": e.needed,
+                "limit": e.limit, "provenance": provenance}  # fmt: skip
     except Exception as e:  # noqa: BLE001 (any rejection by this release is data, not a crash)
         reason = f"{type(e).__name__}: {e}" if not isinstance(e, RunbookError) else str(e)
         return {"status": "failed", "reason": one_line(reason), "provenance": provenance}
@@ -83,7 +97,13 @@ def _unmeasured(v: Variant, params: dict[str, Any], status: str, reason: str, se
 
 
 def measure_point(
-    case: Case, variant: Variant, scale: str, params: dict[str, Any], *, time_limit: float
+    case: Case,
+    variant: Variant,
+    scale: str,
+    params: dict[str, Any],
+    *,
+    time_limit: float,
+    target: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Compile one program in a fresh process; return (entry, the child's provenance or None).
 
@@ -93,8 +113,9 @@ def measure_point(
     start = time.perf_counter()
     try:
         reply = _subprocess.call(
-            "runbook._matrix:_measure_point", devices=case.devices, timeout=time_limit,
-            name=case.name, variant=variant.name, scale=scale, params=params,
+            "runbook._matrix:_measure_point", devices=1 if target else case.devices,
+            timeout=time_limit, name=case.name, variant=variant.name, scale=scale,
+            params=params, target=target,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         reason = f"did not compile within the {time_limit:g} s limit"
@@ -106,7 +127,10 @@ def measure_point(
     if reply["status"] == "ok":
         return {**reply["entry"], "status": "ok"}, reply["provenance"]
     seconds = round(time.perf_counter() - start, 3)
-    return _unmeasured(variant, params, "failed", reply["reason"], seconds), reply["provenance"]
+    entry = _unmeasured(variant, params, reply["status"], reply["reason"], seconds)
+    if reply["status"] == "does not fit":
+        entry.update(needed=reply["needed"], limit=reply["limit"])
+    return entry, reply["provenance"]
 
 
 def run_case(
@@ -114,6 +138,7 @@ def run_case(
     scale: str = "seed",
     *,
     time_limit: float = TIME_LIMIT,
+    target: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Every variant and grid point of case `name`, in the shape of ``python -m runbook run --json``.
@@ -133,7 +158,9 @@ def run_case(
                 reason = "an earlier point of this variant timed out"
                 entry = _unmeasured(variant, params, "not attempted", reason)
             else:
-                entry, child = measure_point(case, variant, scale, params, time_limit=time_limit)
+                entry, child = measure_point(
+                    case, variant, scale, params, time_limit=time_limit, target=target
+                )
                 provenance = provenance or child
                 timed_out = entry["status"] == "timeout"
             (measured if entry["status"] == "ok" else skipped).append(entry)
@@ -143,15 +170,54 @@ def run_case(
                     if entry["status"] == "ok"
                     else entry["status"]
                 )
-                progress(f"{name} {variant.name} {params}: {got}")
+                progress(f"{target or 'cpu'} {name} {variant.name} {params}: {got}")
     if provenance is None:  # no child answered: describe the devices the children would have had
         provenance = dataclasses.asdict(Provenance.current()) | {"devices": case.devices}
     return {
-        "case": name, "scale": scale, "backend": provenance["backend"], "jax": provenance["jax"],
+        "case": name, "scale": scale, "target": target, "backend": provenance["backend"],
+        "jax": provenance["jax"],
         "jaxlib": provenance["jaxlib"], "device_kind": provenance["device_kind"],
         "devices": provenance["devices"], "machine": provenance["machine"],
         "generated": provenance["date"], "variants": measured, "skipped": skipped,
     }  # fmt: skip
+
+
+TARGETS = ("h100",)
+
+
+def probe_target(target: str, time_limit: float = TIME_LIMIT) -> dict[str, Any]:
+    """Can this release compile for `target`? ``{"status", "reason", "compiler"}``.
+
+    A small gradient of a gather compiled in a fresh process: the plugin must be installed,
+    register, make the topology and return a memory analysis.
+    """
+    from ._targets import get_target
+
+    dist = "jax-cuda12-plugin" if get_target(target).platform == "cuda" else "libtpu"
+    try:
+        compiler = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return {"status": "not applicable", "reason": f"{dist} is not installed for this "
+                "release (none published, or it would not install)", "compiler": None}  # fmt: skip
+    try:
+        _subprocess.call("runbook._matrix:_probe", timeout=time_limit, target=target)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "reason": "the probe did not compile in time",
+                "compiler": compiler}  # fmt: skip
+    except RunbookError as e:
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else "no output"
+        return {"status": "failed", "reason": one_line(last), "compiler": compiler}
+    return {"status": "ok", "reason": "", "compiler": compiler}
+
+
+def _probe(target: str) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from .cases.gather_grad import loss
+
+    args = (jax.ShapeDtypeStruct((8, 8, 8), jnp.float32), jax.ShapeDtypeStruct((64, 3), jnp.int32))
+    return measure(jax.grad(loss), *args, target=target).total
 
 
 def run_matrix(
@@ -159,20 +225,33 @@ def run_matrix(
     *,
     scale: str = "seed",
     time_limit: float = TIME_LIMIT,
+    targets: Sequence[str] = TARGETS,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Every case in this JAX release: provenance at the top level, then ``cases``."""
+    """Every case in this JAX release: provenance at the top level, then ``cases``, then per
+    target (compiled without the device) whether this release can, and its ``cases``."""
     start = time.perf_counter()
+    names = list(cases or case_names())
     results = {
-        name: run_case(name, scale, time_limit=time_limit, progress=progress)
-        for name in (cases or case_names())
+        name: run_case(name, scale, time_limit=time_limit, progress=progress) for name in names
     }
+    on_targets = {}
+    for target in targets:
+        found = probe_target(target, time_limit)
+        if found["status"] == "ok":
+            found["cases"] = {
+                name: run_case(name, scale, time_limit=time_limit, target=target,
+                               progress=progress)
+                for name in names
+            }  # fmt: skip
+        on_targets[target] = found
     p = Provenance.current()
     return {
         "jax": p.jax, "jaxlib": p.jaxlib, "backend": p.backend, "device_kind": p.device_kind,
         "generated": p.date, "machine": p.machine, "host": host(), "runbook": __version__,
         "scale": scale, "time_limit_seconds": time_limit,
         "elapsed_seconds": round(time.perf_counter() - start, 1), "cases": results,
+        "targets": on_targets,
     }  # fmt: skip
 
 
@@ -190,10 +269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale", default="seed")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds per program")
     parser.add_argument("--case", action="append", help="only this case (repeatable)")
+    parser.add_argument(
+        "--target", action="append", help=f"compile for this target too (default: {TARGETS})"
+    )
     args = parser.parse_args(argv)
     try:
         data = run_matrix(
             args.case, scale=args.scale, time_limit=args.time_limit,
+            targets=args.target or TARGETS,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )  # fmt: skip
     except RunbookError as e:
