@@ -369,3 +369,69 @@ def history(
     )
     figures = tuple(_figures(r, case, params) for r in releases)
     return History(case, params, figures, provenance, tuple(releases))
+
+
+def slowest(h: History) -> Note:
+    """The slowest compile of any program in any release, beside the newest release's."""
+    found = [(s, r.jax, n) for r in h.releases for n, s in r.compile_seconds.items() if s]
+    if not found:
+        return Note(f"{h.case}: no compile time recorded.")
+    seconds, release, name = max(found)
+    newest = h.releases[-1].compile_seconds.get(name)
+    now = f"{newest:.1f} s" if newest is not None else h.releases[-1].totals.get(name, "-")
+    return Note(
+        f"The slowest compile at {_params_label(h.params)}: `{name}` in jax {release}, "
+        f"{seconds:.1f} s; the same program in jax {h.last}: {now}."
+    )
+
+
+def releases_table(releases: Sequence[Mapping[str, Any]]) -> Table:
+    """One row per committed release file: versions, machine, time, and what it measured."""
+    rows = []
+    for r in releases:
+        counts: dict[str, int] = {}
+        for c in r["cases"].values():
+            for e in [*c["variants"], *c["skipped"]]:
+                counts[e["status"]] = counts.get(e["status"], 0) + 1
+        targets = "; ".join(
+            f"{t}: {v['status']}" + (f" ({v['compiler']})" if v.get("compiler") else "")
+            for t, v in r.get("targets", {}).items()
+        )
+        rows.append([
+            r["jax"], r["jaxlib"], r["generated"],
+            f"{r['host']['cpu']}, {r['host']['cores']} cores",
+            f"{r['elapsed_seconds']:.0f} s",
+            ", ".join(f"{n} {s}" for s, n in counts.items()),
+            targets or "not measured",
+        ])  # fmt: skip
+    limit = releases[-1]["time_limit_seconds"] if releases else 0
+    return Table(
+        ["jax", "jaxlib", "generated", "machine", "took", "CPU programs", "targets"],
+        rows,
+        f"One file per release in docs/_data/versions/; each program limited to {limit:g} s "
+        "of compile time.",
+    )
+
+
+def versions_report(case: str, live: CaseResult | None = None) -> list[Any]:
+    """A case across releases, for the versions page: when the problem appears on CPU and
+    on each target the files hold, the figures per release, and what failed where."""
+    from ._case import get_case
+
+    items: list[Any] = [Note(f"### {get_case(case).title}")]
+    cpu = history(case)
+    items += [cpu.statement()]
+    targets = sorted({t for r in load_versions() for t in r.get("targets", {})})
+    for t in targets:
+        items.append(history(case, target=t).statement())
+    items += [cpu.table(live=live), cpu.variants_table()]
+    for t in targets:
+        items.append(history(case, target=t).variants_table())
+    reasons = cpu.reasons() + [x for t in targets for x in history(case, target=t).reasons()]
+    items.append(
+        Note("What could not be measured, and why:\n\n" + "\n".join(f"- {r}" for r in reasons))
+        if reasons
+        else Note("Every program compiled in every release.")
+    )
+    items.append(slowest(cpu))
+    return items

@@ -34,7 +34,16 @@ from ._gpu_evidence import (
     gpu_table,
     per_device_note,
 )
-from ._history import History, Note, ReleaseFigures, history, load_versions
+from ._history import (
+    History,
+    Note,
+    ReleaseFigures,
+    history,
+    load_versions,
+    releases_table,
+    slowest,
+    versions_report,
+)
 from ._pages import compare_variants, fix_table, verify_table, ynn_accounting
 from ._runtime import agreement
 
@@ -68,10 +77,13 @@ __all__ = [
     "on_targets",
     "per_device_note",
     "recommended",
+    "releases_table",
+    "slowest",
     "target_summary",
     "target_table",
     "verdict",
     "verify_table",
+    "versions_report",
     "worst_point",
     "ynn_accounting",
 ]

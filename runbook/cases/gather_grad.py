@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._errors import RunbookError
+from .._history import Note
 from .._measure import measure
 from .._render import Table, fmt_bytes
 
@@ -153,6 +154,27 @@ def reported_table(result: CaseResult) -> Table:
         rows,
         f"Reported figures quoted from {REPORTED_SOURCE} (XLA's CPU memory-usage report); "
         f"ours: {result.provenance.label()}, compile time, nothing allocated.",
+    )
+
+
+def reported_by_release() -> Note:
+    """Which committed releases give the issue's figures (from the version matrix)."""
+    from .._history import history
+
+    h = history("gather-grad")
+    found = []
+    for name, ours in (("forward", "forward"), ("gradient", "grad")):
+        hits = [
+            r.jax
+            for r in h.releases
+            if isinstance(r.totals.get(ours), int)
+            and f"{r.totals[ours] / 2**30:.2f}" == f"{REPORTED_GIB[name]:.2f}"
+        ]
+        found.append(f"the {name}'s {REPORTED_GIB[name]:.2f} GiB: {', '.join(hits) or 'none'}")
+    return Note(
+        f"Releases of the version matrix (CPU, {h.first} to {h.last}) that give "
+        + "; ".join(found)
+        + "."
     )
 
 
