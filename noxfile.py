@@ -2,7 +2,7 @@
 # /// script
 # dependencies = ["nox>=2025.2.9"]
 # ///
-"""Sessions: tests and lint (default); docs, browser, versions and gpu (on demand)."""
+"""Sessions: tests and lint (default); docs, browser, versions, bench and gpu (on demand)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,16 @@ def versions(session: nox.Session, release: str) -> None:
     session.run(
         "python", "-m", "runbook._matrix", "--out", str(out), *session.posargs, env=CPU_ONLY
     )
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Time measuring, its overhead over a bare compile, each fix's run time and the docs
+    builds (cold, warm, after a one-line case edit). Writes docs/_data/bench/bench.json."""
+    session.install("-e.[targets]", *nox.project.dependency_groups(PROJECT, "docs"))
+    out = ROOT / "docs" / "_data" / "bench" / "bench.json"
+    session.run("python", "-m", "runbook._bench", "--out", str(out), "--docs", *session.posargs,
+                env=CPU_ONLY)  # fmt: skip
 
 
 @nox.session(default=False, venv_backend="none")

@@ -78,8 +78,9 @@ html_theme_options = {
     "use_issues_button": True,
     "home_page_in_toc": True,
     "show_toc_level": 2,
-    # The landing page's case table needs the width more than a two-entry page outline.
-    "secondary_sidebar_items": {"**": ["page-toc.html"], "index": []},
+    # Wide measurement tables need the width more than a page outline: the landing page and
+    # the case pages (whose outline is in the header) go without the right-hand sidebar.
+    "secondary_sidebar_items": {"**": ["page-toc.html"], "index": [], "cases/*": []},
     "navigation_with_keys": False,
 }
 # pydata-sphinx-theme falls back to an empty mode on a first visit (empty localStorage) and

@@ -8,8 +8,9 @@ Usage (``nox -s browser`` runs both)::
 The site is served on localhost; any request elsewhere is blocked and reported, so a page
 that needs the network fails. A page fails on: a console error or uncaught exception, a
 request that fails or returns an HTTP error, an image that did not load, a content image
-without alt text, a table with no rows or only empty cells, a link to a page of the site
-that does not exist, a code block without its copy button, and, for a case page (``cases/*``), no chart. The search page must
+without alt text, a table with no rows or only empty cells, a table whose content is hidden by overflow (it scrolls, is clipped, or runs past a
+1280-pixel window), a link to a page of the site that does not exist, a code block without
+its copy button, and, for a case page (``cases/*``), no chart. The search page must
 find the site's pages for a query (Sphinx's search runs in the browser, offline). A full-page screenshot of
 every page is saved under ``docs/_build/browser/`` with ``report.json``.
 
@@ -70,6 +71,15 @@ async () => {
       return { id: t.id || t.className || "table", rows: rows.length,
                filled: cells.filter(c => text(c) !== "").length };
     }),
+    // A table whose content does not fit: it, or a box around it that scrolls or clips,
+    // is wider inside than it shows, or it runs past the window's right edge.
+    clipped: Array.from(main.querySelectorAll("table")).filter(t => {
+      for (let e = t; e && e !== main.parentElement; e = e.parentElement) {
+        const o = getComputedStyle(e).overflowX;
+        if (o !== "visible" && e.scrollWidth > e.clientWidth + 1) return true;
+      }
+      return t.getBoundingClientRect().right > document.documentElement.clientWidth + 1;
+    }).map(t => t.id || t.className || "table"),
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.getAttribute("href")),
     uncopyable: Array.from(main.querySelectorAll("div.highlight"))
       .filter(d => !d.querySelector("button.copybtn")).length,
@@ -159,6 +169,8 @@ def check_page(context, base: str, root: pathlib.Path, page: str, shots: pathlib
     for table in info["tables"]:
         if table["rows"] == 0 or table["filled"] == 0:
             problems.append(f"empty table: {table['id']}")
+    for table in info["clipped"]:
+        problems.append(f"content hidden by overflow: a {table} wider than the page shows")
     if page.startswith("cases/") and not any(i["output"] and i["loaded"] for i in info["images"]):
         problems.append("case page without its chart (no image in a cell output or figure)")
     if info["uncopyable"]:
@@ -261,6 +273,10 @@ SELF_TEST = {
     "dead-link.html": ('<a href="missing-page.html">x</a>', "dead link"),
     "search.html": ('<div id="search-results"></div>', "search finds no page"),
     "no-copy.html": ('<div class="highlight"><pre>x = 1</pre></div>', "code block without copy"),
+    "clipped.html": ('<div style="width:300px;overflow-x:auto"><table><tr><td>'
+                     + "x" * 200 + "</td></tr></table></div>", "content hidden by overflow"),
+    "too-wide.html": ('<table style="width:3000px"><tr><td>wide</td></tr></table>',
+                      "content hidden by overflow"),
 }  # fmt: skip
 
 

@@ -1,0 +1,191 @@
+"""The benchmark ``nox -s bench`` runs: how long measuring takes, what it adds to a bare
+compile, what each fix costs at run time, and how long the site takes to build.
+
+    python -m runbook._bench --out docs/_data/bench/bench.json [--docs] [--case NAME]
+
+Every ratio is measured side by side in the one run: both sides on the same machine, in
+the same minutes. Nothing here is cached: the measurement cache is switched off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import __version__, _matrix
+from ._case import case_names, get_case, measure_case
+from ._errors import RunbookError
+from ._measure import compile_fn, measure
+from ._provenance import Provenance
+from ._runtime import runtime_peak
+from ._targets import targets, unavailable
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def case_seconds(names: Sequence[str], progress: Callable[[str], None]) -> dict[str, Any]:
+    """Seconds to measure each case at seed scale, on this backend and on each target."""
+    out: dict[str, Any] = {}
+    wheres = [None, *(t.name for t in targets() if unavailable(t) is None)]
+    for name in names:
+        out[name] = {}
+        for where in wheres:
+            seconds = _seconds(functools.partial(measure_case, name, "seed", target=where))
+            out[name][where or "cpu"] = round(seconds, 3)
+            progress(f"measure {name} on {where or 'cpu'}: {out[name][where or 'cpu']} s")
+    return out
+
+
+def measure_overhead(names: Sequence[str], progress: Callable[[str], None]) -> dict[str, Any]:
+    """`measure`'s time against a bare ``jax.jit(f).lower(...).compile()`` of the same
+    program (the reproduction at seed scale), interleaved, best of three each."""
+    out = {}
+    for name in names:
+        case = get_case(name)
+        if case.devices > 1:  # needs forced host devices: its own process
+            continue
+        v = next(v for v in case.variants if v.role == "reproduction")
+        size = case.scale("seed")
+        params = case.grid(size)[0]
+        args = case.inputs(v, size, params, False)
+        options = case.options()
+        program = v.program(params)
+        bare_compile = functools.partial(compile_fn, program, *args, compiler_options=options)
+        plain_measure = functools.partial(measure, program, *args, compiler_options=options)
+        bare, plain, with_buffers = [], [], []
+        for _ in range(3):  # interleaved, so that the machine's load falls on all three alike
+            bare.append(_seconds(bare_compile))
+            plain.append(_seconds(plain_measure))
+            with_buffers.append(_seconds(functools.partial(plain_measure, buffers=True)))
+        out[name] = {
+            "program": v.name,
+            "bare_compile_seconds": round(min(bare), 4),
+            "measure_seconds": round(min(plain), 4),
+            "measure_buffers_seconds": round(min(with_buffers), 4),
+            "measure_ratio": round(min(plain) / min(bare), 3),
+            "measure_buffers_ratio": round(min(with_buffers) / min(bare), 3),
+        }
+        progress(f"overhead {name}: {out[name]['measure_ratio']}x without buffers")
+    return out
+
+
+def fix_runtimes(names: Sequence[str], progress: Callable[[str], None]) -> dict[str, Any]:
+    """Each variant's run time at the runnable scale, as a ratio to the reproduction's."""
+    out: dict[str, Any] = {}
+    for name in names:
+        case = get_case(name)
+        params = case.grid(case.scale(case.runnable_scale))[0]
+        seconds = {}
+        for v in case.variants:
+            if not case.available(v):
+                continue
+            try:
+                seconds[v.name] = runtime_peak(name, v.name, params=params, repeats=3).seconds
+            except RunbookError as e:
+                seconds[v.name] = f"failed: {_matrix.one_line(str(e))}"
+        repro = next(v.name for v in case.variants if v.role == "reproduction")
+        base = seconds.get(repro)
+        out[name] = {
+            "scale": case.runnable_scale,
+            "params": params,
+            "seconds": {k: round(s, 5) if isinstance(s, float) else s for k, s in seconds.items()},
+            "ratio_to_reproduction": {
+                k: round(s / base, 3)
+                for k, s in seconds.items()
+                if isinstance(s, float) and isinstance(base, float) and base
+            },
+        }
+        progress(f"runtimes {name}: {out[name]['ratio_to_reproduction']}")
+    return out
+
+
+def docs_builds(progress: Callable[[str], None], case_module: str) -> dict[str, Any]:
+    """The site built in a copy of the repository: cold (empty build folder and measurement
+    cache), warm (nothing changed), then after a one-line edit to one case module."""
+    with tempfile.TemporaryDirectory(prefix="runbook-bench-") as tmp:
+        copy = pathlib.Path(tmp) / "repo"
+        shutil.copytree(
+            ROOT, copy, ignore=shutil.ignore_patterns("_build", ".nox", ".git", "*.pyc", ".ci-venv")
+        )
+        env = {**os.environ, "PYTHONPATH": str(copy), "JAX_PLATFORMS": "cpu"}
+        env.pop("RUNBOOK_CACHE_DIR", None)
+        command = [sys.executable, "-m", "sphinx", "-j", "auto", "-n", "-T", "-W", "--keep-going",
+                   "-q", "-b", "html", "docs", "docs/_build/html"]  # fmt: skip
+        out = {}
+        for label in ("cold", "warm", "one-line edit to a case module"):
+            if label.startswith("one-line"):
+                module = copy / "runbook" / "cases" / case_module
+                module.write_text(module.read_text() + "\n# a one-line edit\n")
+            build = functools.partial(
+                subprocess.run, command, cwd=copy, env=env, check=True, capture_output=True
+            )
+            seconds = _seconds(build)
+            out[label] = round(seconds, 1)
+            progress(f"docs build, {label}: {out[label]} s")
+        out["edited_module"] = case_module
+        return out
+
+
+def run(
+    names: Sequence[str] | None = None,
+    *,
+    docs: bool = False,
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    os.environ.pop("RUNBOOK_CACHE_DIR", None)  # a benchmark measures the work, not the cache
+    names = list(names or case_names())
+    p = Provenance.current()
+    data: dict[str, Any] = {
+        "jax": p.jax, "jaxlib": p.jaxlib, "backend": p.backend, "device_kind": p.device_kind,
+        "generated": p.date, "machine": p.machine, "host": _matrix.host(), "runbook": __version__,
+        "measure_case_seconds": case_seconds(names, progress),
+        "measure_overhead": measure_overhead(names, progress),
+        "fix_runtimes": fix_runtimes(names, progress),
+    }  # fmt: skip
+    if docs:
+        data["docs_build_seconds"] = docs_builds(progress, _module_file(names[0]))
+    return data
+
+
+def _module_file(name: str) -> str:
+    from ._case import _CASES
+
+    return _CASES[name].rsplit(".", 1)[1] + ".py"
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runbook._bench", description=__doc__)
+    parser.add_argument("--out", required=True, help="the JSON file to write")
+    parser.add_argument("--case", action="append", help="only this case (repeatable)")
+    parser.add_argument("--docs", action="store_true", help="also time cold and warm docs builds")
+    args = parser.parse_args(argv)
+    try:
+        data = run(args.case, docs=args.docs, progress=_stderr)
+    except RunbookError as e:
+        print(f"runbook: error: {e}", file=sys.stderr)
+        return 2
+    print(_matrix.write_json(data, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
