@@ -66,10 +66,11 @@ def browser(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff: lint and format check."""
-    session.install("ruff")
+    """Ruff (lint and format check) and mypy over the package, which ships py.typed."""
+    session.install("-e.[targets]", *nox.project.dependency_groups(PROJECT, "lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy", env=CPU_ONLY)
 
 
 def _releases() -> tuple[str, ...]:

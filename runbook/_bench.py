@@ -90,7 +90,7 @@ def fix_runtimes(names: Sequence[str], progress: Callable[[str], None]) -> dict[
     for name in names:
         case = get_case(name)
         params = case.grid(case.scale(case.runnable_scale))[0]
-        seconds = {}
+        seconds: dict[str, float | str] = {}
         for v in case.variants:
             if not case.available(v):
                 continue
@@ -126,7 +126,7 @@ def docs_builds(progress: Callable[[str], None], case_module: str) -> dict[str, 
         env.pop("RUNBOOK_CACHE_DIR", None)
         command = [sys.executable, "-m", "sphinx", "-j", "auto", "-n", "-T", "-W", "--keep-going",
                    "-q", "-b", "html", "docs", "docs/_build/html"]  # fmt: skip
-        out = {}
+        out: dict[str, Any] = {}
         for label in ("cold", "warm", "one-line edit to a case module"):
             if label.startswith("one-line"):
                 module = copy / "runbook" / "cases" / case_module

@@ -54,7 +54,7 @@ def module_hash(module: str) -> str:
 
 @functools.cache
 def _versions() -> dict[str, str | None]:
-    found = {}
+    found: dict[str, str | None] = {}
     for dist in _DISTRIBUTIONS:
         try:
             found[dist] = importlib.metadata.version(dist)

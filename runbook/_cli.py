@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ._case import CaseResult, case_names, get_case, measure_case
 from ._errors import RunbookError
@@ -14,7 +15,7 @@ from ._targets import get_target, target_names, targets, unavailable
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         self.exit(2, f"runbook: error: {message}\n")
 
 

@@ -172,11 +172,11 @@ def run_case(
     predictions = {scale: _largest(result) for scale, result in compiled.items()}
     if info["bytes_limit"] is None:
         raise RunbookError(f"{info['device_kind']} reports no bytes_limit: cannot plan a scale.")
-    scale, reason = choose_scale(predictions, info["bytes_limit"])
-    runtime = measure_runtime(name, scale, compiled[scale]) if scale else []
+    chosen, reason = choose_scale(predictions, info["bytes_limit"])
+    runtime = measure_runtime(name, chosen, compiled[chosen]) if chosen else []
     return {
         "case": name, "devices_needed": case.devices, "devices_present": info["devices"],
-        "scale": scale, "scale_reason": reason, "compile_time": compiled, "runtime": runtime,
+        "scale": chosen, "scale_reason": reason, "compile_time": compiled, "runtime": runtime,
     }  # fmt: skip
 
 

@@ -200,7 +200,8 @@ class History:
         for r in [*self.releases, *([self.live(live)] if live else [])]:
             repro = r.totals.get(r.reproduction_name, "-")
             repro = fmt_bytes(repro) if isinstance(repro, int) else repro
-            fix = f"{fmt_bytes(r.best_fix_bytes)} ({r.best_fix})" if r.best_fix else "none measured"
+            best = r.best_fix_bytes
+            fix = f"{fmt_bytes(best)} ({r.best_fix})" if best is not None else "none measured"
             ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
             verdict = {True: "present", False: "absent", None: "not measurable"}[r.present]
             rows.append([r.jax, repro, fix, ratio, verdict])
@@ -270,9 +271,9 @@ class History:
         failed: list[tuple[int, str]] = []  # (release index, color): could not compile
         for name, role in self.releases[-1].roles.items():
             got = [
-                (i, r.totals[name] / scale)
+                (i, t / scale)
                 for i, r in enumerate(self.releases)
-                if isinstance(r.totals.get(name), int)
+                if isinstance(t := r.totals.get(name), int)
             ]
             width = 2.6 if role == "reproduction" else 1.2
             if got:
@@ -284,8 +285,8 @@ class History:
             color = line[0].get_color()
             failed += [(i, color) for i, r in enumerate(self.releases)
                        if r.totals.get(name) in ("failed", "timeout")]  # fmt: skip
-            if live and isinstance(columns[-1].totals.get(name), int):
-                ax.scatter([len(self.releases)], [columns[-1].totals[name] / scale],
+            if live and isinstance(mine := columns[-1].totals.get(name), int):
+                ax.scatter([len(self.releases)], [mine / scale],
                            marker="*", s=110, color=color, zorder=3)  # fmt: skip
         if failed:
             ax.set_ylim(bottom=0)

@@ -148,7 +148,9 @@ def run_case(
     """
     case = get_case(name)
     size = case.scale(scale)
-    measured, skipped, provenance = [], [], None
+    measured: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    provenance = None
     for variant in case.variants:
         timed_out = False
         for params in case.grid(size):

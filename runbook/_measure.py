@@ -233,7 +233,7 @@ def measure(
     )
     caveats = () if target else _backend_caveats(compiled, options)
     return MemoryReport(
-        name=name or getattr(fn, "__name__", "fn"),
+        name=name or str(getattr(fn, "__name__", "fn")),
         argument=int(stats.argument_size_in_bytes),
         output=int(stats.output_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),

@@ -80,7 +80,12 @@ def _available_host_bytes() -> int:
 
 
 def _peak_json(
-    name: str, variant: str, scale: str, params: dict, options: dict | None, repeats: int
+    name: str,
+    variant: str,
+    scale: str,
+    params: dict,
+    options: Mapping[str, Any] | None,
+    repeats: int,
 ) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp

@@ -167,8 +167,8 @@ def reported_by_release() -> Note:
         hits = [
             r.jax
             for r in h.releases
-            if isinstance(r.totals.get(ours), int)
-            and f"{r.totals[ours] / 2**30:.2f}" == f"{REPORTED_GIB[name]:.2f}"
+            if isinstance(total := r.totals.get(ours), int)
+            and f"{total / 2**30:.2f}" == f"{REPORTED_GIB[name]:.2f}"
         ]
         found.append(f"the {name}'s {REPORTED_GIB[name]:.2f} GiB: {', '.join(hits) or 'none'}")
     return Note(
@@ -224,15 +224,15 @@ def claims(
     if result is None:
         result = measure_case("gather-grad", scale, buffers=True, target=target)
     target = result.provenance.target or None
-    scale = CASE.scales[result.scale]
-    args32 = _args(scale, {"index_dtype": "int32"}, False)
+    size = CASE.scales[result.scale]
+    args32 = _args(size, {"index_dtype": "int32"}, False)
     fwd = _needs(result, "forward", index_dtype="int32")
     grad = _needs(result, "grad", index_dtype="int32")
     grad16 = _needs(result, "grad", index_dtype="int16")
     fwd16 = _needs(result, "forward", index_dtype="int16")
     whole = _needs(result, "grad-whole-index", index_dtype="int32")
     chunked = _needs(result, "grad-chunked", index_dtype="int32")
-    idx_bytes = scale["rows"] * 3 * 4
+    idx_bytes = size["rows"] * 3 * 4
     out = []
 
     copy = next((b for b in grad.buffers if b.kind == "temp"), None)
@@ -364,7 +364,7 @@ def claims(
         Claim(
             "profiling",
             "Memory profiling identifies the operations responsible.",
-            verdict(copied and bool(copy and copy.source)) if copied else "not reproducible here",
+            verdict(bool(copy and copy.source)) if copied else "not reproducible here",
             "XLA's buffer assignment, read back by runbook.measure(..., buffers=True), names the "
             f"concatenate, its shape and the source line {copy.source if copy else '-'}."
             if copied
