@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import __version__, _matrix
-from ._case import case_names, get_case
+from ._case import case_names, get_case, measure_case
 from ._errors import RunbookError, WontFitError
 from ._provenance import Provenance
 from ._runtime import SAFETY, _available_host_bytes, runtime_peak
@@ -144,6 +144,30 @@ def measure_runtime(name: str, scale: str, result: Mapping[str, Any]) -> list[di
     return peaks
 
 
+def add_target_predictions(
+    name: str, scale: str, runtime: list[dict[str, Any]], device_kind: str
+) -> None:
+    """Beside each real peak, what the runbook's deviceless target for this device kind
+    predicted for the same program (``target``, ``target_predicted``), where one matches."""
+    from ._targets import matching, unavailable
+
+    target = matching(device_kind)
+    if target is None or unavailable(target) is not None:
+        return
+    for peak in runtime:
+        if peak["status"] != "ok":
+            continue
+        try:
+            result = measure_case(
+                name, scale, target=target.name, variants=[peak["name"]], at=peak["params"]
+            )
+        except RunbookError as e:
+            peak.update(target=target.name, target_predicted=None, target_reason=str(e))
+            continue
+        found = result.select(peak["name"])
+        peak.update(target=target.name, target_predicted=found[0].total if found else None)
+
+
 def run_case(
     name: str,
     info: Mapping[str, Any],
@@ -174,6 +198,8 @@ def run_case(
         raise RunbookError(f"{info['device_kind']} reports no bytes_limit: cannot plan a scale.")
     chosen, reason = choose_scale(predictions, info["bytes_limit"])
     runtime = measure_runtime(name, chosen, compiled[chosen]) if chosen else []
+    if chosen:
+        add_target_predictions(name, chosen, runtime, info["device_kind"])
     return {
         "case": name, "devices_needed": case.devices, "devices_present": info["devices"],
         "scale": chosen, "scale_reason": reason, "compile_time": compiled, "runtime": runtime,

@@ -112,9 +112,11 @@ def gpu_table(record: GpuRecord, cpu: CaseResult | None = None) -> Table:
                    f"{peak['ratio']:.2f}x", "yes" if peak["agrees"] else "no"]  # fmt: skip
         else:
             got = ["-", f"{peak['status']}: {peak['reason']}", "-", "-"]
-        rows.append([peak["name"], peak["role"], _params(peak["params"]), cpu_total, *got])
-    columns = ["variant", "role", "params", "CPU compile-time", "GPU compile-time",
-               "GPU measured peak", "measured / predicted", "agree"]  # fmt: skip
+        deviceless = peak.get("target_predicted")
+        target = f"{fmt_bytes(deviceless)} ({peak['target']})" if deviceless is not None else "-"
+        rows.append([peak["name"], peak["role"], _params(peak["params"]), cpu_total, target, *got])
+    columns = ["variant", "role", "params", "CPU compile-time", "deviceless target prediction",
+               "GPU compile-time", "GPU measured peak", "measured / predicted", "agree"]  # fmt: skip
     caption = (
         f"Bytes per device at scale {record.scale!r}. {record.label()}. {record.scale_reason}."
     )

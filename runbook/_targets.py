@@ -194,6 +194,14 @@ def targets() -> list[Target]:
     return list(_TARGETS)
 
 
+def matching(device_kind: str) -> Target | None:
+    """The GPU target a real device's kind names ("NVIDIA H100 80GB HBM3" -> h100), if any."""
+    for t in _TARGETS:
+        if t.gpu is not None and re.search(rf"\b{t.name}\b", device_kind, re.IGNORECASE):
+            return t
+    return None
+
+
 def target_names() -> list[str]:
     return [t.name for t in _TARGETS]
 

@@ -216,3 +216,13 @@ def test_cli_lists_the_targets(capsys):
     for t in runbook.targets():
         assert t.name in out
         assert t.label in out
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla T4", "t4"),
+     ("NVIDIA L40S", None), ("cpu", None)],
+)  # fmt: skip
+def test_a_real_device_kind_finds_its_deviceless_target(kind, name):
+    found = _targets.matching(kind)
+    assert (found.name if found else None) == name
