@@ -48,7 +48,7 @@ def docs(session: nox.Session) -> None:
     if "--fresh" in session.posargs:
         shutil.rmtree(build, ignore_errors=True)
     session.run(
-        "sphinx-build", "-n", "-T", "-W", "--keep-going", "-b", "html",
+        "sphinx-build", "-j", "auto", "-n", "-T", "-W", "--keep-going", "-b", "html",
         "docs", str(build / "html"), env=env,
     )  # fmt: skip
 

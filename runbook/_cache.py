@@ -63,12 +63,24 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
+@functools.cache
+def _machine() -> str:
+    """This machine, as far as real runs depend on it: processor, cores, OS."""
+    import platform
+
+    from ._matrix import host
+
+    found = host()
+    return f"{platform.system()} {platform.machine()}, {found['cpu']}, {found['cores']} cores"
+
+
 def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
     """The key of `request` (JSON-able), with the sources and environment it depends on."""
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
     env.pop(ENV_VAR, None)
     payload = {
         "request": request,
+        "machine": _machine(),
         "core": core_hash(),
         "module": module_hash(module) if module else None,
         "versions": _versions(),
