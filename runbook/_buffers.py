@@ -123,6 +123,32 @@ def _describe(name: str, instructions: dict[str, _Instruction], roots: dict[str,
     return inst.op_name, inst.source
 
 
+_COLOR = re.compile(r"\bcolor (\d+)")
+
+
+def allocation_sizes(directory: pathlib.Path) -> dict[str, int]:
+    """Bytes per kind of allocation in the dumped buffer assignment, with its memory space.
+
+    XLA gives each allocation a colour: 0 is the device's main memory; TPU compilers put
+    on-chip scratch (VMEM) in colour 1 and scalar memory in 2. A key is the kind
+    ("temp", "argument", ...) plus `` (memory space N)`` when N is not 0.
+    """
+    assignments = sorted(directory.glob("*after_optimizations-buffer-assignment.txt"))
+    if not assignments:
+        return {}
+    assignment = max(assignments, key=lambda p: p.stat().st_size)
+    sizes: dict[str, int] = {}
+    for line in assignment.read_text().splitlines():
+        if (a := _ALLOC.match(line)) is None:
+            continue
+        color = _COLOR.search(a[2])
+        key = _allocation_kind(a[2]) + (
+            f" (memory space {color[1]})" if color and color[1] != "0" else ""
+        )
+        sizes[key] = sizes.get(key, 0) + int(a[1])
+    return sizes
+
+
 def parse_dump(directory: pathlib.Path) -> list[Buffer]:
     """Read the buffer assignment and optimised HLO that XLA dumped into `directory`.
 

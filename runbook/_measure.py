@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from . import _targets
-from ._buffers import Buffer, parse_dump
+from ._buffers import Buffer, allocation_sizes, parse_dump
 from ._errors import DoesNotFitError, RunbookError
 from ._provenance import Provenance
 from ._quiet import start_backend
@@ -40,6 +40,7 @@ class MemoryReport:
     compile_seconds: float = 0.0
     buffers: tuple[Buffer, ...] = ()
     caveats: tuple[str, ...] = ()
+    allocations: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -60,6 +61,7 @@ class MemoryReport:
         """Everything, buffers and provenance included, as JSON-able data (`from_record`)."""
         record = dataclasses.asdict(self)
         record["params"] = dict(self.params)
+        record["allocations"] = dict(self.allocations)
         return record
 
     @classmethod
@@ -69,6 +71,7 @@ class MemoryReport:
         fields["provenance"] = Provenance(**fields["provenance"])
         fields["buffers"] = tuple(Buffer(**b) for b in fields.get("buffers", ()))
         fields["caveats"] = tuple(fields.get("caveats", ()))
+        fields["allocations"] = dict(fields.get("allocations", {}))
         return cls(**fields)
 
     def to_json(self) -> dict[str, Any]:
@@ -225,6 +228,7 @@ def measure(
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()
         found = tuple(parse_dump(pathlib.Path(dump))) if buffers else ()
+        sizes = allocation_sizes(pathlib.Path(dump)) if buffers else {}
     if stats is None:
         where = target or jax.default_backend()
         raise RunbookError(f"the {where} compiler reports no memory analysis.")
@@ -242,6 +246,7 @@ def measure(
         compile_seconds=seconds,
         buffers=found,
         caveats=caveats,
+        allocations=sizes,
     )
 
 
