@@ -96,7 +96,11 @@ class Case:
         return keyword.rstrip("=)") in inspect.signature(obj).parameters
 
 
-_CASES = {"gather-grad": "runbook.cases.gather_grad", "pmap-loop": "runbook.cases.pmap_loop"}
+_CASES = {
+    "gather-grad": "runbook.cases.gather_grad",
+    "pmap-loop": "runbook.cases.pmap_loop",
+    "scan-residuals": "runbook.cases.scan_residuals",
+}
 
 
 def case_names() -> list[str]:
