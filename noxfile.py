@@ -77,7 +77,8 @@ def versions(session: nox.Session, release: str) -> None:
 
     Writes docs/_data/versions/<release>.json; `nox -s "versions(0.4.30)"` runs one release.
     """
-    session.install(f"jax=={release}", f"jaxlib=={release}", "numpy")
+    # optax: the frozen-params case's train steps (the resolver picks a release that fits).
+    session.install(f"jax=={release}", f"jaxlib=={release}", "numpy", "optax")
     session.install("--no-deps", "-e.")  # matplotlib is only needed to plot, not to measure
     out = ROOT / "docs" / "_data" / "versions" / f"{release}.json"
     session.run("python", "-m", "runbook._matrix", "--out", str(out), *session.posargs)

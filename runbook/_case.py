@@ -105,6 +105,7 @@ _CASES = {
     "gather-grad": "runbook.cases.gather_grad",
     "pmap-loop": "runbook.cases.pmap_loop",
     "scan-residuals": "runbook.cases.scan_residuals",
+    "frozen-params": "runbook.cases.frozen_params",
 }
 
 
