@@ -106,6 +106,7 @@ _CASES = {
     "pmap-loop": "runbook.cases.pmap_loop",
     "scan-residuals": "runbook.cases.scan_residuals",
     "frozen-params": "runbook.cases.frozen_params",
+    "vocab-logits": "runbook.cases.vocab_logits",
 }
 
 
