@@ -236,15 +236,16 @@ def floor_bytes(program: str, scale: Mapping[str, Any]) -> int:
     """What a gradient or train step of the adapters must hold, at the least.
 
     The weights and the batch; the adapters' gradients (and, for a train step, Adam's two
-    moments of the adapters); the loss; and the input of every layer after the first, which
-    the backward pass needs to differentiate the adapters. A train step's new parameters
-    and state reuse the donated buffers.
+    moments of the adapters); the loss; and one activation per layer: the backward pass of
+    layer ``l`` needs its input ``h_l`` and its output ``h_(l+1)`` (for ``tanh``'s
+    derivative), so ``h_1 ... h_L`` beside the batch's ``h_0``, stored or recomputed. A
+    train step's new parameters and state reuse the donated buffers.
     """
     s = _sizes(scale)
     held = s["frozen"] + s["adapters"] + s["batch"] + 4
     if program == "train step":
         held += 2 * s["adapters"]
-    return held + s["adapters"] + (s["layers"] - 1) * s["carry"]
+    return held + s["adapters"] + s["layers"] * s["carry"]
 
 
 def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:

@@ -185,10 +185,10 @@ def carry_bytes(scale: Mapping[str, Any]) -> int:
 def saved_carries(variant: str, steps: int) -> int:
     """Carries a strategy must store for the backward pass, at the least.
 
-    Storing every step needs the ``steps`` states ``h_0 ... h_(T-1)`` (``dw`` needs each
-    ``h_t``; ``tanh``'s derivative can be read off the next state). Nested remat needs one
-    carry per segment plus one per step of the segment being differentiated. The forward
-    pass stores nothing.
+    The backward pass of step ``t`` needs ``h_t`` (for ``dw``) and ``h_(t+1)`` (``tanh``'s
+    derivative is read off its output), so storing every step needs ``h_1 ... h_T``: the
+    ``steps`` states beside the argument ``h_0``. Nested remat needs one carry per segment
+    plus one per step of the segment being differentiated. The forward pass stores nothing.
     """
     if variant == "forward":
         return 0
