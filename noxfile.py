@@ -86,7 +86,8 @@ def versions(session: nox.Session, release: str) -> None:
 
     Writes docs/_data/versions/<release>.json; `nox -s "versions(0.4.30)"` runs one release.
     """
-    session.install(f"jax=={release}", f"jaxlib=={release}", "numpy")
+    # optax: the frozen-params case's train steps (the resolver picks a release that fits).
+    session.install(f"jax=={release}", f"jaxlib=={release}", "numpy", "optax")
     session.install("--no-deps", "-e.")  # matplotlib is only needed to plot, not to measure
     try:  # the GPU compiler of this release, where one was published; else "not applicable"
         session.install(f"jax-cuda12-plugin=={release}", "nvidia-cuda-nvcc-cu12>=12.6.85")

@@ -371,13 +371,17 @@ def devices_table(case: str, variants: Sequence[str], names: Sequence[str], **kw
 
 
 def claims_by_target(
-    case: str, names: Sequence[str], *, scale: str = "seed"
+    case: str,
+    names: Sequence[str],
+    *,
+    scale: str = "seed",
+    cpu: Sequence[Claim] | None = None,
 ) -> dict[str, list[Claim] | str]:
     """The case's claims decided on this backend and on each target in `names`.
 
     Where the programs the claims rest on do not compile for a target at `scale`, they are
     decided at the case's runnable scale and the key says so; where they cannot be decided
-    at all, the value is the reason.
+    at all, the value is the reason. `cpu`: this backend's claims, when a page has them.
     """
     module = importlib.import_module(_CASES[case])
     small = get_case(case).runnable_scale
@@ -393,7 +397,8 @@ def claims_by_target(
             return name, str(e)
 
     chosen = [n for n in names if unavailable(n) is None]
-    return {CPU: module.claims(), **dict(parallel(decide, chosen))}
+    here = list(cpu) if cpu is not None else module.claims()
+    return {CPU: here, **dict(parallel(decide, chosen))}
 
 
 def claims_matrix(found: Mapping[str, list[Claim] | str]) -> Table:
