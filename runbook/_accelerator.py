@@ -16,16 +16,22 @@ from ._errors import DoesNotFitError, RunbookError
 from ._history import Note
 from ._measure import MemoryReport
 from ._render import Table, fmt_bytes
-from ._targets import GPU_ALLOCATOR_SOURCE, Target, get_target, targets, unavailable
+from ._targets import GPU_ALLOCATOR_SOURCE, Target, get_target, unavailable
 
 CPU = "cpu"
 # Marks for a per-device total against a target's memory.
 FITS, OVER_SHARE, TOO_BIG = "fits", "over the default share", "exceeds memory"
 
 
+# The targets every case page compiles for. TPU7x is left to the CLI and the API: its
+# compiler takes the longest of all (tens of seconds per case here), and a cold build of
+# the site must stay within its time budget.
+PAGE_TARGETS = ("h100", "h200", "a100", "l4", "t4", "v5e", "v5p", "v6e")
+
+
 def available_targets(names: Sequence[str] | None = None) -> list[Target]:
-    """The targets this machine can compile for (of `names`, default: all)."""
-    chosen = [get_target(n) for n in names] if names else targets()
+    """The targets this machine can compile for (of `names`, default: `PAGE_TARGETS`)."""
+    chosen = [get_target(n) for n in names or PAGE_TARGETS]
     return [t for t in chosen if unavailable(t) is None]
 
 
@@ -53,7 +59,7 @@ def on_targets(
     scale: str = "seed",
     at: Mapping[str, Any] | None = None,
     names: Sequence[str] | None = None,
-    buffers: bool = False,
+    buffers: bool = True,
 ) -> dict[str, CaseResult]:
     """The case on this backend and on each available target, at one grid point.
 
@@ -62,13 +68,16 @@ def on_targets(
         scale: the scale (default: the write-up's).
         at: the grid point (default: where the reproduction is worst on this backend).
         names: target names (default: every available target).
-        buffers: keep each program's largest buffers.
+        buffers: keep each program's largest buffers (the default: `buffer_contrast` then
+            reads them from the measurement cache instead of compiling again).
 
     Returns:
         ``{"cpu": result, "h100": result, ...}``, this backend first.
     """
-    here = measure_case(case, scale, buffers=buffers)
+    here = measure_case(case, scale)
     point = dict(at) if at is not None else worst_point(here)
+    if buffers:
+        here = measure_case(case, scale, at=point, buffers=True)
     chosen = [t.name for t in available_targets(names)]
     found = parallel(
         lambda name: measure_case(case, scale, target=name, at=point, buffers=buffers), chosen
@@ -435,7 +444,7 @@ def accelerator_report(case: str, *, claims_on: Sequence[str] = ("h100", "v5e"))
     available target at the reproduction's worst point; the reproduction's largest
     temporaries on this backend and the targets in `claims_on`; the claims decided on each.
     """
-    missing = {t.name: unavailable(t) for t in targets() if unavailable(t)}
+    missing = {t: unavailable(t) for t in PAGE_TARGETS if unavailable(t)}
     items: list[Any] = []
     if missing:
         items.append(
