@@ -151,3 +151,76 @@ def ynn_accounting(
         f"{agreement()}). YNN fusion off: compiler_options={{{YNN_OPTION!r}: ''}}. "
         f"{compiled['defaults'].provenance.label()}.",
     )  # fmt: skip
+
+
+def bench_report(path: str | None = None) -> list[Any]:
+    """The committed benchmark (``nox -s bench``), as tables; a note when there is none."""
+    import json
+    import pathlib
+
+    from ._history import DATA_DIR, Note
+
+    file = pathlib.Path(path) if path else DATA_DIR / "bench" / "bench.json"
+    if not file.exists():
+        return [Note("No benchmark has been committed yet: run `nox -s bench`.")]
+    data = json.loads(file.read_text())
+    where = (
+        f"jax {data['jax']} / jaxlib {data['jaxlib']}, {data['host']['cpu']} "
+        f"({data['host']['cores']} cores), {data['generated']}"
+    )
+    seconds = data["measure_case_seconds"]
+    wheres = list(dict.fromkeys(w for row in seconds.values() for w in row))
+    items: list[Any] = [
+        Table(
+            ["case", *wheres],
+            [[c, *(f"{row.get(w, '-')} s" for w in wheres)] for c, row in seconds.items()],
+            f"Seconds to measure every program of each case at seed scale, per compiler, "
+            f"nothing cached. {where}.",
+        ),
+        Table(
+            [
+                "case",
+                "program",
+                "bare compile",
+                "measure",
+                "measure / bare",
+                "measure with buffers / bare",
+            ],
+            [
+                [
+                    c,
+                    r["program"],
+                    f"{r['bare_compile_seconds']:.3f} s",
+                    f"{r['measure_seconds']:.3f} s",
+                    f"{r['measure_ratio']:.2f}x",
+                    f"{r['measure_buffers_ratio']:.2f}x",
+                ]
+                for c, r in data["measure_overhead"].items()
+            ],
+            "runbook.measure against a bare jax.jit(f).lower(...).compile() of the same "
+            "program, interleaved, best of three.",
+        ),
+        Table(
+            ["case", "scale", "run time / the reproduction's, per variant"],
+            [
+                [
+                    c,
+                    r["scale"],
+                    ", ".join(f"{k} {v:.2f}x" for k, v in r["ratio_to_reproduction"].items()),
+                ]
+                for c, r in data["fix_runtimes"].items()
+            ],
+            "Each variant executed for real in a fresh process, best of three timed runs.",
+        ),
+    ]
+    builds = data.get("docs_build_seconds")
+    if builds:
+        items.append(
+            Table(
+                ["docs build", "seconds"],
+                [[k, str(v)] for k, v in builds.items()],
+                "sphinx-build -j auto in a copy of the repository; cold = empty build folder "
+                "and measurement cache.",
+            )
+        )
+    return items

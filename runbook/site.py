@@ -44,7 +44,7 @@ from ._history import (
     slowest,
     versions_report,
 )
-from ._pages import compare_variants, fix_table, verify_table, ynn_accounting
+from ._pages import bench_report, compare_variants, fix_table, verify_table, ynn_accounting
 from ._runtime import agreement
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "accelerator_report",
     "agreement",
     "available_targets",
+    "bench_report",
     "buffer_contrast",
     "case_table",
     "claims_by_target",
