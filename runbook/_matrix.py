@@ -133,6 +133,46 @@ def measure_point(
     return entry, reply["provenance"]
 
 
+def _measure_points(
+    name: str, variant: str, scale: str, grid: list[dict[str, Any]], target: str | None = None
+) -> list[dict[str, Any]]:
+    """In the child: `_measure_point` for every point of `grid`."""
+    return [_measure_point(name, variant, scale, params, target) for params in grid]
+
+
+def measure_points(
+    case: Case,
+    variant: Variant,
+    scale: str,
+    grid: list[dict[str, Any]],
+    *,
+    time_limit: float,
+    target: str | None = None,
+) -> list[tuple[dict[str, Any], dict[str, Any] | None]] | None:
+    """Every point of one variant in one fresh process; None if it ran out of time or died
+    (the caller then measures each point alone, to tell which)."""
+    start = time.perf_counter()
+    try:
+        replies = _subprocess.call(
+            "runbook._matrix:_measure_points", devices=1 if target else case.devices,
+            timeout=time_limit * len(grid), name=case.name, variant=variant.name, scale=scale,
+            grid=grid, target=target,
+        )  # fmt: skip
+    except (subprocess.TimeoutExpired, RunbookError):
+        return None
+    seconds = round((time.perf_counter() - start) / len(grid), 3)
+    out = []
+    for params, reply in zip(grid, replies, strict=True):
+        if reply["status"] == "ok":
+            out.append(({**reply["entry"], "status": "ok"}, reply["provenance"]))
+            continue
+        entry = _unmeasured(variant, params, reply["status"], reply["reason"], seconds)
+        if reply["status"] == "does not fit":
+            entry.update(needed=reply["needed"], limit=reply["limit"])
+        out.append((entry, reply["provenance"]))
+    return out
+
+
 def run_case(
     name: str,
     scale: str = "seed",
@@ -152,10 +192,21 @@ def run_case(
     skipped: list[dict[str, Any]] = []
     provenance = None
     for variant in case.variants:
+        grid = case.grid(size)
+        # All of a variant's points in one child first (a fresh process costs seconds); where
+        # that child does not finish in time or dies, each point in a child of its own.
+        together = (
+            measure_points(case, variant, scale, grid, time_limit=time_limit, target=target)
+            if case.available(variant)
+            else None
+        )
         timed_out = False
-        for params in case.grid(size):
+        for i, params in enumerate(grid):
             if not case.available(variant):
                 entry = _unmeasured(variant, params, "not applicable", f"needs {variant.since}")
+            elif together is not None:
+                entry, child = together[i]
+                provenance = provenance or child
             elif timed_out:
                 reason = "an earlier point of this variant timed out"
                 entry = _unmeasured(variant, params, "not attempted", reason)
