@@ -80,7 +80,7 @@ html_theme_options = {
     "show_toc_level": 2,
     # Wide measurement tables need the width more than a page outline: the landing page and
     # the case pages (whose outline is in the header) go without the right-hand sidebar.
-    "secondary_sidebar_items": {"**": ["page-toc.html"], "index": [], "cases/*": []},
+    "secondary_sidebar_items": {"index": [], "cases/*": []},
     "navigation_with_keys": False,
 }
 # pydata-sphinx-theme falls back to an empty mode on a first visit (empty localStorage) and

@@ -437,12 +437,13 @@ def claims_matrix(found: Mapping[str, list[Claim] | str]) -> Table:
     )
 
 
-def accelerator_report(case: str, *, claims_on: Sequence[str] = ("h100", "v5e")) -> list[Any]:
+def accelerator_report(case: str, *, contrast: Sequence[str] = ("h100", "v5e")) -> list[Any]:
     """Everything a case page's "On your accelerator" section shows, in order.
 
     The targets' memory; the variants' totals per device on this backend and on every
     available target at the reproduction's worst point; the reproduction's largest
-    temporaries on this backend and the targets in `claims_on`; the claims decided on each.
+    temporaries on this backend and on the targets in `contrast`. (The claims per compiler
+    are `claims_matrix(claims_by_target(...))`, shown in a case page's claims section.)
     """
     missing = {t: unavailable(t) for t in PAGE_TARGETS if unavailable(t)}
     items: list[Any] = []
@@ -462,8 +463,7 @@ def accelerator_report(case: str, *, claims_on: Sequence[str] = ("h100", "v5e"))
     cpu = results[CPU]
     repro = cpu.select(role="reproduction")
     if repro:
-        items.append(buffer_contrast(case, repro[0].name, dict(repro[0].params), claims_on))
-    items.append(claims_matrix(claims_by_target(case, claims_on)))
+        items.append(buffer_contrast(case, repro[0].name, dict(repro[0].params), contrast))
     return items
 
 
