@@ -267,6 +267,7 @@ def parse_module(text: str) -> Module:
         if call is None:
             continue
         opcode, operand_text, attributes = call
+        operand_text = re.sub(r"/\*.*?\*/", "", operand_text)  # "/*index=5*/%a" -> "%a"
         if opcode in ("parameter", "constant", "iota"):
             operands = tuple(o.strip() for o in operand_text.split(",") if o.strip())[:1]
         else:

@@ -26,6 +26,7 @@ from ._errors import RunbookError
 from ._hlo import Dump, Instruction, Shape, Value, read_dump
 from ._measure import YNN_OPTION, MemoryReport, _backend_caveats, _devices_used, compile_fn
 from ._provenance import Provenance
+from ._quiet import start_backend
 
 SITE_FIX = "cases/{case}.html#fix"
 
@@ -129,6 +130,7 @@ def cpu_accounting_options() -> dict[str, Any]:
     the buffer assignment leaves out (see `runbook.measure`'s caveats); a diagnosis needs
     those products as buffers. Empty on other backends and on jaxlibs without the option.
     """
+    start_backend()  # with the plugins' start-up chatter filtered
     return dict(_cpu_accounting()) if jax.default_backend() == "cpu" else {}
 
 

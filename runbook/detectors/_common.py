@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from .._hlo import Instruction
 from .._program import Parameter, Program
@@ -30,6 +31,27 @@ def entry_parameter(program: Program, inst: Instruction) -> Parameter | None:
     return next((p for p in program.parameters if p.number == inst.parameter_number), None)
 
 
+def reads(program: Program, inst: Instruction) -> list[Instruction]:
+    """What `inst` computes its result from: its operands, or, for one result of a
+    multi-output fusion, the operands that result's part of the fusion reads."""
+    if inst.opcode == "get-tuple-element" and inst.operands:
+        fusion = program.module.get(inst.operands[0])
+        root = program.module.root(fusion.calls[0]) if fusion and fusion.calls else None
+        k = inst.tuple_index
+        if (
+            fusion
+            and fusion.opcode == "fusion"
+            and root
+            and root.opcode == "tuple"
+            and k is not None
+        ):
+            element = root.operands[k]
+            inside = [program.module.get(n) for n in {element} | program.module.ancestors(element)]
+            return [program.outside(i) for i in inside if i is not None and i.opcode == "parameter"]
+    found = (program.operand(inst, k) for k in range(len(inst.operands)))
+    return [i for i in found if i is not None]
+
+
 @dataclasses.dataclass(frozen=True)
 class StatePair:
     """An output computed elementwise from an input of its own shape: new state from old."""
@@ -45,24 +67,32 @@ def state_pairs(program: Program) -> list[StatePair]:
 
     An output is paired with an input of its shape that the instruction computing it reads
     directly (a fusion's operands count): a new value computed from the old one. Outputs
-    that are the input itself, passed through, are not updates. Each input pairs once.
+    that are the input itself, passed through, are not updates. Each input pairs once;
+    where an output reads several candidates (``m`` and ``g`` in ``0.9 * m + 0.1 * g``),
+    the one fewest outputs read is its state (``g`` feeds several updates, ``m`` one).
     """
-    taken: set[int] = set()
-    pairs = []
+    candidates: list[tuple[tuple[int, ...], Instruction, list[Parameter]]] = []
     for index, inst in program.outputs():
         if not inst.shape.is_array or entry_parameter(program, inst) is not None:
             continue  # a tuple, or an input passed through unchanged
-        producer = source_of(program, inst)
-        for k in range(len(producer.operands)):
-            operand = program.operand(producer, k)
-            param = entry_parameter(program, operand) if operand is not None else None
+        found: dict[int, Parameter] = {}
+        for operand in reads(program, source_of(program, inst)):
+            param = entry_parameter(program, operand)
             if (
                 param is not None
-                and param.number not in taken
                 and param.shape.dims == inst.shape.dims
                 and param.shape.dtype == inst.shape.dtype
             ):
-                taken.add(param.number)
-                pairs.append(StatePair(index, inst, param, program.aliased_output(index)))
-                break
-    return pairs
+                found.setdefault(param.number, param)
+        if found:
+            candidates.append((index, inst, list(found.values())))
+    readers = Counter(p.number for *_, params in candidates for p in params)
+    taken: set[int] = set()
+    pairs = []
+    for index, inst, params in sorted(candidates, key=lambda c: len(c[2])):
+        free = [p for p in params if p.number not in taken]
+        if free:
+            param = min(free, key=lambda p: (readers[p.number], p.number))
+            taken.add(param.number)
+            pairs.append(StatePair(index, inst, param, program.aliased_output(index)))
+    return sorted(pairs, key=lambda p: p.index)

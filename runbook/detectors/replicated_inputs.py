@@ -35,7 +35,7 @@ def detect(program: Program) -> list[Finding]:
     memory = device_memory(program)
     large = memory is not None and nbytes >= LARGE * memory
     against = (
-        f"{nbytes / memory:.0%} of a device's usable {fmt_bytes(memory)}"
+        f"{nbytes / memory:.1%} of a device's usable {fmt_bytes(memory)}"
         if memory
         else "no device memory limit known here (pass target= to compare)"
     )

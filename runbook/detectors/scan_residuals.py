@@ -16,7 +16,8 @@ from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 
 MIN_SHARE = 0.10  # of the total: stacked intermediates a checkpointed body would not store
-MIN_CARRY_SHARE = 0.25  # of the total: stacked carries, which only nesting reduces
+MIN_CARRY_SHARE = 0.25  # of the total: stacked carries, which only nesting reduces...
+MIN_NEST_GAIN = 8  # ...reported where nesting stores this many times fewer (2 sqrt(T) of T)
 
 
 def _body(loop: Instruction) -> str | None:
@@ -115,7 +116,7 @@ def detect(program: Program) -> list[Finding]:
                 "step stores only its inputs, or nest checkpointed scans over segments of about "
                 "sqrt(steps) steps to store fewer still"
             )
-        elif carried >= MIN_CARRY_SHARE * total:
+        elif carried >= MIN_CARRY_SHARE * total and steps >= (2 * MIN_NEST_GAIN) ** 2:
             sentence = (
                 "Nest checkpointed scans: a scan over about sqrt(steps) segments, each a "
                 "checkpointed scan over its steps, stores about 2 sqrt(steps) carries "
