@@ -325,6 +325,28 @@ def diagnose(
     return Diagnosis(program.report, tuple(findings), t, refused, time.perf_counter() - start)
 
 
+def detector_table() -> Table:
+    """What each detector of `runbook.detectors.DETECTORS` looks for, and its thresholds."""
+    import sys
+
+    from ._case import case_names
+    from .detectors import DETECTORS
+
+    rows = []
+    for detect in DETECTORS:
+        module = sys.modules[detect.__module__]
+        case = getattr(module, "CASE", None)
+        exists = case in case_names()
+        rows.append(
+            [
+                getattr(module, "PATTERN", detect.__module__),
+                case if exists else f"{case} (case to come)",
+                module.rule() if hasattr(module, "rule") else "",
+            ]
+        )
+    return Table(["finding", "case", "how it is recognised in the compiled program"], rows)
+
+
 # --- the runbook's own cases, diagnosed -------------------------------------------------------
 
 
@@ -399,7 +421,7 @@ def case_diagnoses(scale: str = "seed") -> list[tuple[str, str, Diagnosis]]:
     return out
 
 
-def case_table(scale: str = "seed") -> Table:
+def case_diagnosis_table(scale: str = "seed") -> Table:
     """Each case's reproduction and recommended fix as `diagnose` sees them (a site table)."""
     rows, labels = [], []
     for name, variant, d in case_diagnoses(scale):

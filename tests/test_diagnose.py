@@ -19,9 +19,10 @@ import pytest
 from jax import lax
 
 import runbook
+import runbook.site
 from runbook._accelerator import recommended, worst_point
 from runbook._cli import main
-from runbook._diagnose import case_table, diagnose_case
+from runbook._diagnose import case_diagnosis_table, diagnose_case
 from runbook._subprocess import child_env
 from runbook._targets import unavailable
 from runbook.detectors import DETECTORS
@@ -81,7 +82,7 @@ def test_recommended_fix_draws_no_finding_of_its_case(seeds, name):
 
 
 def test_case_table_names_each_reproduction():
-    table = case_table()
+    table = case_diagnosis_table()
     rows = {(r[0], r[1]): r for r in table.rows}
     for name in runbook.case_names():
         repro = [r for (case, _), r in rows.items() if case == name and r[3] != "none"]
@@ -437,6 +438,16 @@ def test_every_finding_names_a_case_or_a_pending_one():
                 assert f.link is None
     assert seen == PENDING | {"gather-grad", "pmap-loop"}
     assert len(DETECTORS) == 9
+
+
+def test_detector_table_states_each_rule():
+    table = runbook.site.detector_table()
+    assert len(table.rows) == len(DETECTORS)
+    modules = [sys.modules[d.__module__] for d in DETECTORS]
+    for row, module in zip(table.rows, modules, strict=True):
+        assert row[0] == module.PATTERN
+        assert row[1].split(" ")[0] == module.CASE
+        assert f"{module.MIN_SHARE:.0%}" in row[2]  # the threshold, from the module itself
 
 
 def test_findings_do_not_depend_on_the_function_name():

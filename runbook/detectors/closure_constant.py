@@ -12,6 +12,16 @@ from .._render import fmt_bytes
 
 MIN_BYTES = 1 << 20  # one constant at least this large
 MIN_SHARE = 0.01  # of the program's total
+PATTERN = "large constants in the program"
+CASE = "closure-constant"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        f"constants of at least {fmt_bytes(MIN_BYTES)} each in the buffer assignment, together "
+        f"at least {MIN_SHARE:.0%} of what the program holds"
+    )
 
 
 def detect(program: Program) -> list[Finding]:
@@ -39,8 +49,8 @@ def detect(program: Program) -> list[Finding]:
         evidence.append(buffer)
     return [
         finding(
-            "large constants in the program",
-            "closure-constant",
+            PATTERN,
+            CASE,
             nbytes,
             evidence,
             "Pass the array to the jitted function as an argument instead of closing over it, "

@@ -19,6 +19,17 @@ from .._render import fmt_bytes
 from ._common import state_pairs
 
 MIN_SHARE = 0.10  # of the program's total: undonated state below this is not reported
+PATTERN = "state outputs not donated"
+CASE = "donation"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        "outputs computed directly from an input of their own shape and dtype, neither aliased, "
+        f"at least {MIN_SHARE:.0%} of the program's total; the step is compiled again with "
+        "those arguments donated, and reported only if that saves memory"
+    )
 
 
 def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
@@ -61,8 +72,8 @@ def detect(program: Program) -> list[Finding]:
     names = ", ".join(p.parameter.path for p in pairs[:3]) + (", ..." if len(pairs) > 3 else "")
     return [
         finding(
-            "state outputs not donated",
-            "donation",
+            PATTERN,
+            CASE,
             nbytes,
             [program.buffer(p.output) for p in pairs],
             f"Donate the state arguments, jax.jit(step, donate_argnums={argnums or '(...)'}), "

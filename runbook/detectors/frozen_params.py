@@ -15,6 +15,19 @@ from .._render import fmt_bytes
 from ._common import state_pairs
 
 MIN_SHARE = 0.05  # of the program's total
+PATTERN = "frozen parameters differentiated"
+CASE = "frozen-params"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        "in a program with a reverse-mode pass: outputs that are broadcast zeros shaped like an "
+        "input, and state outputs updated from the old state alone (nothing from the backward "
+        f"pass or the data), together at least {MIN_SHARE:.0%} of the program's total"
+    )
+
+
 _ZERO = {"0", "-0", "0.0", "-0.0", "false"}
 
 
@@ -69,8 +82,8 @@ def detect(program: Program) -> list[Finding]:
         )
     return [
         finding(
-            "frozen parameters differentiated",
-            "frozen-params",
+            PATTERN,
+            CASE,
             zero_bytes + state_bytes,
             zero + [program.buffer(p.output) for p in untouched],
             "Differentiate only the trainable parameters (pass them as their own argument to "

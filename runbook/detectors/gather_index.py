@@ -13,6 +13,17 @@ from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 
 MIN_SHARE = 0.05  # of the program's total: smaller copies are not worth a finding
+PATTERN = "index copy for a gather/scatter"
+CASE = "gather-grad"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        f"a concatenate's result is the index operand of a gather or scatter and has a buffer "
+        f"of its own of at least {MIN_SHARE:.0%} of the program's total; an input of a "
+        "narrower integer type than the copy is reported as widened"
+    )
 
 
 def _concatenate(program: Program, inst: Instruction) -> Instruction | None:
@@ -64,8 +75,8 @@ def detect(program: Program) -> list[Finding]:
         op, source = program.describe(producer)
         out.append(
             finding(
-                "index copy for a gather/scatter",
-                "gather-grad",
+                PATTERN,
+                CASE,
                 nbytes,
                 evidence,
                 "Hand the index array to lax.gather whole instead of indexing with a tuple "

@@ -14,6 +14,17 @@ from .._render import fmt_bytes
 
 MIN_SHARE = 0.10  # of the program's total: smaller replicated inputs are not mentioned
 LARGE = 0.25  # of the device's usable memory: above this, a finding, not information
+PATTERN = "inputs replicated on every device"
+CASE = "pmap-loop"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        f"inputs whose sharding is the whole array on every device of a multi-device program, "
+        f"together at least {MIN_SHARE:.0%} of its total; informational unless at least "
+        f"{LARGE:.0%} of the device's usable memory (a target's, or the device's own limit)"
+    )
 
 
 def device_memory(program: Program) -> int | None:
@@ -42,8 +53,8 @@ def detect(program: Program) -> list[Finding]:
     names = ", ".join(p.path for p in replicated[:4]) + (", ..." if len(replicated) > 4 else "")
     return [
         finding(
-            "inputs replicated on every device",
-            "pmap-loop",
+            PATTERN,
+            CASE,
             nbytes,
             [program.buffer(p.instruction) for p in replicated],
             "Split large inputs over the devices (in_axes=0 in pmap, or a NamedSharding that "

@@ -18,6 +18,19 @@ from .._render import fmt_bytes
 MIN_SHARE = 0.10  # of the total: stacked intermediates a checkpointed body would not store
 MIN_CARRY_SHARE = 0.25  # of the total: stacked carries, which only nesting reduces...
 MIN_NEST_GAIN = 8  # ...reported where nesting stores this many times fewer (2 sqrt(T) of T)
+PATTERN = "scan residuals stacked for the backward pass"
+CASE = "scan-residuals"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        "a while loop writes (steps, ...) arrays step by step (dynamic-update-slice) that a later "
+        f"while loop reads; reported when the step's intermediates stored are at least "
+        f"{MIN_SHARE:.0%} of the total, or its inputs (carries) alone at least "
+        f"{MIN_CARRY_SHARE:.0%} over {(2 * MIN_NEST_GAIN) ** 2} steps or more, where nesting "
+        f"would store {MIN_NEST_GAIN}x fewer"
+    )
 
 
 def _body(loop: Instruction) -> str | None:
@@ -127,8 +140,8 @@ def detect(program: Program) -> list[Finding]:
         op = program.describe(loop)[0]
         out.append(
             finding(
-                "scan residuals stacked for the backward pass",
-                "scan-residuals",
+                PATTERN,
+                CASE,
                 carried + computed,
                 evidence,
                 sentence,

@@ -18,6 +18,18 @@ from .._render import fmt_bytes
 MIN_REPEATS = 4  # independent copies of one line's temporary, live at once
 MIN_SHARE = 0.10  # of the program's total
 MAX_EVIDENCE = 8
+PATTERN = "unrolled Python loop"
+CASE = "pmap-loop"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        f"same-shape temporaries from one source line, at least {MIN_REPEATS} of them computed "
+        f"from none of the others and at least {MIN_REPEATS} live at once, all such lines "
+        f"together at least {MIN_SHARE:.0%} of the program's total (values inside loops are "
+        "left out)"
+    )
 
 
 def detect(program: Program) -> list[Finding]:
@@ -60,8 +72,8 @@ def detect(program: Program) -> list[Finding]:
     )
     return [
         finding(
-            "unrolled Python loop",
-            "pmap-loop",
+            PATTERN,
+            CASE,
             nbytes,
             evidence,
             "Roll the loop with lax.fori_loop, lax.scan or lax.map(batch_size=...) so that "

@@ -15,6 +15,18 @@ from .._render import fmt_bytes
 
 MIN_SHARE = 0.25  # of the program's total, held at once by vmapped temporaries
 MAX_EVIDENCE = 6
+PATTERN = "whole-batch temporaries under vmap"
+CASE = "vmap-materialize"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        f"temporaries of operations JAX names vmap(...), outside any loop, at least "
+        f"{MIN_SHARE:.0%} of the program's total live at once"
+    )
+
+
 _VMAP = re.compile(r"(?:^|/)vmap\(")
 
 
@@ -33,8 +45,8 @@ def detect(program: Program) -> list[Finding]:
     lines = sorted({program.describe(inst)[1] for _, inst in chosen} - {""})
     return [
         finding(
-            "whole-batch temporaries under vmap",
-            "vmap-materialize",
+            PATTERN,
+            CASE,
             nbytes,
             sorted(evidence, key=lambda b: -b.size)[:MAX_EVIDENCE],
             "Map over the batch in chunks with lax.map(f, xs, batch_size=k) (or a rolled "

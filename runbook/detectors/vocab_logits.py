@@ -17,6 +17,17 @@ from .._render import fmt_bytes
 
 MIN_SHARE = 0.10  # of the program's total, held at once by tokens x vocabulary arrays
 MAX_EVIDENCE = 6
+PATTERN = "tokens x vocabulary logits"
+CASE = "vocab-logits"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        "an exponential outside any loop over an array whose last axis is the larger side V of a "
+        "matrix input and which is larger than that matrix; every tokens x V array outside loops "
+        f"counts, reported at {MIN_SHARE:.0%} of the program's total live at once"
+    )
 
 
 def _vocabularies(program: Program) -> dict[int, int]:
@@ -67,8 +78,8 @@ def detect(program: Program) -> list[Finding]:
         evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
         out.append(
             finding(
-                "tokens x vocabulary logits",
-                "vocab-logits",
+                PATTERN,
+                CASE,
                 nbytes,
                 evidence[:MAX_EVIDENCE],
                 "Compute the loss a chunk of tokens (or a slice of the vocabulary) at a time "
