@@ -35,7 +35,7 @@ class Diagnosis:
     report: MemoryReport
     findings: tuple[Finding, ...]
     target: _targets.Target | None = None
-    refused: Mapping[str, Any] | None = None
+    refused: dict[str, Any] | None = None
     seconds: float = 0.0
 
     @property
@@ -59,7 +59,7 @@ class Diagnosis:
 
     @property
     def margin(self) -> int | None:
-        """Usable memory minus what the program needs: negative when it does not fit."""
+        """The usable memory minus what the program needs (negative when it does not fit)."""
         if self.target is None:
             return None
         needed = self.refused["needed"] if self.refused else self.report.total
@@ -94,6 +94,25 @@ class Diagnosis:
     def constants(self) -> int:
         """Bytes of constants compiled into the program, which XLA's total leaves out."""
         return sum(b.size for b in self.report.buffers if b.kind == "constant")
+
+    @property
+    def explained(self) -> int:
+        """Bytes the findings (not the informational ones) account for, at most the total.
+
+        Findings may share buffers, so this is an upper estimate of what they explain.
+        """
+        found = sum(f.bytes for f in self.findings if not f.informational)
+        return min(found, self.report.total + self.constants)
+
+    def unexplained(self, count: int = 5) -> list[Buffer]:
+        """The largest buffers that no finding names as evidence."""
+        named = {b.instruction for f in self.findings for b in f.evidence}
+        rest = [
+            b
+            for b in self.report.buffers
+            if b.instruction not in named and b.kind in ("argument", "output", "temp")
+        ]
+        return rest[:count]
 
     def _share(self, f: Finding) -> str:
         """`f`'s bytes against everything the program holds (its total and its constants)."""
@@ -155,6 +174,13 @@ class Diagnosis:
             lines += [f"     {_buffer_line(b)}" for b in f.evidence[:4]]
             if len(f.evidence) > 4:
                 lines.append(f"     ... and {len(f.evidence) - 4} more")
+        whole = self.report.total + self.constants
+        if whole and self.explained < 0.9 * whole:
+            lines.append(
+                f"The findings account for {fmt_bytes(self.explained)} of "
+                f"{fmt_bytes(whole)}; the largest buffers outside them:"
+            )
+            lines += [f"  {_buffer_line(b)}" for b in self.unexplained(3)]
         for c in self.report.caveats:
             lines.append(f"Caveat: {c}")
         return "\n".join(lines)
@@ -220,7 +246,7 @@ class Diagnosis:
             MemoryReport.from_record(record["report"]),
             tuple(findings),
             _targets.get_target(target) if target else None,
-            record.get("refused"),
+            dict(record["refused"]) if record.get("refused") else None,
             record.get("seconds", 0.0),
         )
 
@@ -286,7 +312,7 @@ def diagnose(
         name: a label for the program (default: the function's name).
 
     Returns:
-        A `Diagnosis`: print it, show it in a notebook, or `to_json()` it.
+        The `Diagnosis`, to print, to show in a notebook or to turn into JSON.
 
     Examples:
         >>> import jax, jax.numpy as jnp

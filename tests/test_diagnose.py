@@ -275,7 +275,7 @@ def test_scan_residuals_with_and_without_checkpoint():
     # The step's input h, its tanh and an intermediate of tanh's derivative, per step.
     assert kinds == ["stacked carry", "stacked intermediate", "stacked intermediate"]
     assert f.bytes == 3 * step
-    assert "Checkpoint the scan's body" in f.fix
+    assert "Checkpoint the loop's body" in f.fix
 
     remat = runbook.diagnose(jax.grad(lambda *a: rnn_loss(*a, remat=True)), *RNN)
     (g,) = named(remat, "scan-residuals")

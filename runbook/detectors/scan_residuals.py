@@ -125,9 +125,9 @@ def detect(program: Program) -> list[Finding]:
         total = program.total
         if computed >= MIN_SHARE * total:
             sentence = (
-                "Checkpoint the scan's body (lax.scan(jax.checkpoint(body), ...)) so that each "
-                "step stores only its inputs, or nest checkpointed scans over segments of about "
-                "sqrt(steps) steps to store fewer still"
+                "Checkpoint the loop's body (lax.scan(jax.checkpoint(body), ...), or the same "
+                "in lax.fori_loop) so that each step stores only its inputs, or nest checkpointed "
+                "scans over segments of about sqrt(steps) steps to store fewer still"
             )
         elif carried >= MIN_CARRY_SHARE * total and steps >= (2 * MIN_NEST_GAIN) ** 2:
             sentence = (

@@ -67,7 +67,8 @@ def detect(program: Program) -> list[Finding]:
         firsts = [v for v in values if v.instruction in starts][:MAX_EVIDENCE]
         evidence += [program.buffer(program.module.get(v.instruction), v) for v in firsts]
     lines = "; ".join(
-        f"{len(starts)} independent {shape} values from {source}, {together} live at once"
+        f"{shape} values from {source}: {len(starts)} computed independently, {together} "
+        "live at once"
         for shape, source, _, starts, together in found[:3]
     )
     return [
