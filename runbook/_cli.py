@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from ._case import CaseResult, case_names, get_case, measure_case
 from ._diagnose import diagnose_spec
 from ._errors import RunbookError
+from ._quiet import start_backend
 from ._render import fmt_bytes, report_table
 from ._targets import get_target, target_names, targets, unavailable
 
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.target is not None:
             get_target(args.target)  # an unknown name fails before the case is loaded
+        start_backend()  # before anything asks JAX for devices: the plugins' chatter filtered
         result = measure_case(args.case, args.scale, target=args.target, progress=progress)
     except RunbookError as e:
         print(f"runbook: error: {e}", file=sys.stderr)
