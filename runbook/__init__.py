@@ -13,6 +13,7 @@ with plugin_chatter():  # the GPU compiler plugin, if installed, logs its missin
 
 from ._buffers import Buffer
 from ._case import Case, CaseResult, Variant, case_names, get_case, measure_case, verify
+from ._diagnose import Diagnosis, Finding, diagnose
 from ._errors import DoesNotFitError, RunbookError, UnknownNameError, WontFitError
 from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
 from ._provenance import Provenance
@@ -34,7 +35,9 @@ __all__ = [
     "Buffer",
     "Case",
     "CaseResult",
+    "Diagnosis",
     "DoesNotFitError",
+    "Finding",
     "MemoryReport",
     "Provenance",
     "RunbookError",
@@ -48,6 +51,7 @@ __all__ = [
     "buffer_table",
     "case_names",
     "compile_fn",
+    "diagnose",
     "fmt_bytes",
     "get_case",
     "get_target",

@@ -1,4 +1,4 @@
-"""``python -m runbook``: list the cases, measure one, print a table or JSON."""
+"""``python -m runbook``: list the cases, measure one, diagnose your own function."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ._case import CaseResult, case_names, get_case, measure_case
+from ._diagnose import diagnose_spec
 from ._errors import RunbookError
+from ._quiet import start_backend
 from ._render import fmt_bytes, report_table
 from ._targets import get_target, target_names, targets, unavailable
 
@@ -35,6 +37,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    diag = sub.add_parser(
+        "diagnose", help="name the known memory problems of your own function, and their fixes"
+    )
+    diag.add_argument("function", help="path/to/file.py:function (a function or a jax.jit)")
+    diag.add_argument(
+        "--args",
+        help="path/to/file.py:make_args, a function returning the arguments as a tuple "
+        "(jax.ShapeDtypeStruct allocates nothing)",
+    )
+    diag.add_argument(
+        "--target",
+        help=f"compile for this device and say whether it fits: {', '.join(target_names())}",
+    )
+    diag.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -51,12 +67,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_targets()
             return 0
 
+        if args.command == "diagnose":
+            if args.target is not None:
+                get_target(args.target)
+            diagnosis = diagnose_spec(args.function, args.args, target=args.target)
+            print(json.dumps(diagnosis.to_json(), indent=1) if args.json else diagnosis)
+            return 0
+
         def progress(line: str) -> None:
             if not args.quiet:
                 print(line, file=sys.stderr, flush=True)
 
         if args.target is not None:
             get_target(args.target)  # an unknown name fails before the case is loaded
+        start_backend()  # before anything asks JAX for devices: the plugins' chatter filtered
         result = measure_case(args.case, args.scale, target=args.target, progress=progress)
     except RunbookError as e:
         print(f"runbook: error: {e}", file=sys.stderr)

@@ -26,6 +26,7 @@ from ._accelerator import (
     worst_point,
 )
 from ._claims import Claim, claims_table, verdict
+from ._diagnose import case_diagnosis_table, detector_table, diagnose_case
 from ._gpu_evidence import (
     GpuRecord,
     gpu_evidence,
@@ -58,13 +59,16 @@ __all__ = [
     "available_targets",
     "bench_report",
     "buffer_contrast",
+    "case_diagnosis_table",
     "case_table",
     "claims_by_target",
     "claims_matrix",
     "claims_table",
     "compare_variants",
+    "detector_table",
     "devices_table",
     "devices_to_fit",
+    "diagnose_case",
     "fit",
     "fix_table",
     "fusion_table",

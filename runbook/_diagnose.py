@@ -1,0 +1,552 @@
+"""`runbook.diagnose`: point it at your own function, get the case that explains it and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from . import _subprocess, _targets
+from ._buffers import Buffer
+from ._errors import DoesNotFitError
+from ._measure import MemoryReport
+from ._program import Finding, Program
+from ._render import Table, fmt_bytes
+
+__all__ = ["Diagnosis", "Finding", "diagnose"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """What a compiled program needs, and the known mechanisms behind it.
+
+    Attributes:
+        report: the program's `MemoryReport` (per device, buffers included).
+        findings: each mechanism recognised, largest first (see `Finding`).
+        target: the device it was compiled for, or None for this process's backend.
+        refused: when the target's compiler refused the program as too large, its figures
+            (``needed``, ``limit``, ``what``); the findings then come from this process's
+            backend.
+        seconds: how long the diagnosis took (compilation included).
+    """
+
+    report: MemoryReport
+    findings: tuple[Finding, ...]
+    target: _targets.Target | None = None
+    refused: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+    @property
+    def cases(self) -> list[str]:
+        """The cases named by the findings that are not only informational, largest first."""
+        return list(dict.fromkeys(f.case for f in self.findings if f.case and not f.informational))
+
+    @property
+    def usable(self) -> int | None:
+        """The target's usable memory per device (None without a target)."""
+        return self.target.usable() if self.target else None
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the program fits the target's usable memory (None without a target)."""
+        if self.target is None:
+            return None
+        if self.refused is not None:
+            return False
+        return self.report.total <= self.target.usable()
+
+    @property
+    def margin(self) -> int | None:
+        """The usable memory minus what the program needs (negative when it does not fit)."""
+        if self.target is None:
+            return None
+        needed = self.refused["needed"] if self.refused else self.report.total
+        return self.target.usable() - needed
+
+    def fit_line(self) -> str:
+        """Whether it fits the target, in one sentence ("" without a target)."""
+        t = self.target
+        if t is None:
+            return ""
+        rule = f"{fmt_bytes(t.usable())} usable ({t.usable_rule()})"
+        if self.refused is not None:
+            r = self.refused
+            return (
+                f"Does not fit one {t.label}: its compiler refused the program, needing "
+                f"{fmt_bytes(r['needed'])} of {r['what']} where the device allows "
+                f"{fmt_bytes(r['limit'])}. The findings below come from this machine's "
+                f"{self.report.provenance.backend} compiler."
+            )
+        margin = self.margin or 0
+        if self.fits:
+            return (
+                f"Fits one {t.label}: {fmt_bytes(self.report.total)} of {rule}, "
+                f"{fmt_bytes(margin)} to spare."
+            )
+        return (
+            f"Does not fit one {t.label}: {fmt_bytes(self.report.total)} against {rule}, "
+            f"{fmt_bytes(-margin)} too much."
+        )
+
+    @property
+    def constants(self) -> int:
+        """Bytes of constants compiled into the program, which XLA's total leaves out."""
+        return sum(b.size for b in self.report.buffers if b.kind == "constant")
+
+    @property
+    def explained(self) -> int:
+        """Bytes the findings (not the informational ones) account for, at most the total.
+
+        Findings may share buffers, so this is an upper estimate of what they explain.
+        """
+        found = sum(f.bytes for f in self.findings if not f.informational)
+        return min(found, self.report.total + self.constants)
+
+    def unexplained(self, count: int = 5) -> list[Buffer]:
+        """The largest buffers that no finding names as evidence."""
+        named = {b.instruction for f in self.findings for b in f.evidence}
+        rest = [
+            b
+            for b in self.report.buffers
+            if b.instruction not in named and b.kind in ("argument", "output", "temp")
+        ]
+        return rest[:count]
+
+    def _share(self, f: Finding) -> str:
+        """`f`'s bytes against everything the program holds (its total and its constants)."""
+        whole = self.report.total + self.constants
+        return f"{f.bytes / whole:.0%}" if whole else "-"
+
+    def table(self) -> Table:
+        """The findings as a table: pattern, case, bytes, share of the total, fix."""
+        rows = [
+            [
+                f.pattern + (" (informational)" if f.informational else ""),
+                f.case or "-",
+                fmt_bytes(f.bytes),
+                self._share(f),
+                fmt_bytes(f.saving) if f.saving is not None else "-",
+                f.fix,
+            ]
+            for f in self.findings
+        ]
+        return Table(
+            ["finding", "case", "bytes", "of total", "measured saving", "fix"],
+            rows,
+            self._caption(),
+        )
+
+    def _caption(self) -> str:
+        r = self.report
+        return (
+            f"{r.name}: {fmt_bytes(r.total)} per device (arguments {fmt_bytes(r.argument)}, "
+            f"temporaries {fmt_bytes(r.temp)}, outputs {fmt_bytes(r.output)}"
+            + (f", {fmt_bytes(r.alias)} reused" if r.alias else "")
+            + ")"
+            + (
+                f" and {fmt_bytes(self.constants)} of constants, which XLA's total leaves out"
+                if self.constants >= 2**20
+                else ""
+            )
+            + f". {r.provenance.label()}; diagnosed in {self.seconds:.1f} s."
+        )
+
+    def __str__(self) -> str:
+        lines = [f"Diagnosis of {self._caption()}"]
+        if self.target is not None:
+            lines.append(self.fit_line())
+        if not self.findings:
+            lines.append("No known mechanism found. The largest buffers:")
+            lines += [f"  {_buffer_line(b)}" for b in self.report.buffers[:5]]
+            return "\n".join(lines)
+        lines.append("Findings, largest first:")
+        for n, f in enumerate(self.findings, 1):
+            label = f" [{f.case}]" if f.case else ""
+            info = " (informational)" if f.informational else ""
+            lines.append(
+                f"{n}. {f.pattern}{label}{info}: {fmt_bytes(f.bytes)}, {self._share(f)} of what "
+                "the program holds"
+            )
+            lines.append(f"   seen: {f.detail}")
+            lines.append(f"   fix:  {f.fix}")
+            lines += [f"     {_buffer_line(b)}" for b in f.evidence[:4]]
+            if len(f.evidence) > 4:
+                lines.append(f"     ... and {len(f.evidence) - 4} more")
+        whole = self.report.total + self.constants
+        if whole and self.explained < 0.9 * whole:
+            lines.append(
+                f"The findings account for {fmt_bytes(self.explained)} of "
+                f"{fmt_bytes(whole)}; the largest buffers outside them:"
+            )
+            lines += [f"  {_buffer_line(b)}" for b in self.unexplained(3)]
+        for c in self.report.caveats:
+            lines.append(f"Caveat: {c}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        e = html.escape
+        parts = [f'<div class="runbook-diagnosis"><p>{e(self._caption())}</p>']
+        if self.target is not None:
+            parts.append(f"<p><strong>{e(self.fit_line())}</strong></p>")
+        if not self.findings:
+            parts.append("<p>No known mechanism found.</p></div>")
+            return "".join(parts)
+        head = "".join(
+            f"<th>{c}</th>"
+            for c in ("finding", "case", "bytes", "of total", "measured saving", "seen", "fix")
+        )
+        rows = []
+        for f in self.findings:
+            case = (
+                f'<a href="{e(f.link)}">{e(f.case)}</a>' if f.link and f.case else e(f.case or "-")
+            )
+            fix = e(f.fix)
+            if f.link:
+                fix = fix.replace(e(f.link), f'<a href="{e(f.link)}">{e(f.link)}</a>')
+            evidence = "".join(
+                f"<li><code>{e(_buffer_line(b))}</code></li>" for b in f.evidence[:6]
+            )
+            pattern = e(f.pattern) + (" <em>(informational)</em>" if f.informational else "")
+            saving = fmt_bytes(f.saving) if f.saving is not None else "-"
+            rows.append(
+                f"<tr><td>{pattern}</td><td>{case}</td><td>{fmt_bytes(f.bytes)}</td>"
+                f"<td>{self._share(f)}</td><td>{saving}</td>"
+                f"<td>{e(f.detail)}<details><summary>buffers</summary><ul>{evidence}</ul>"
+                f"</details></td><td>{fix}</td></tr>"
+            )
+        parts.append(
+            f'<table class="runbook-table"><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table></div>"
+        )
+        return "".join(parts)
+
+    def to_record(self) -> dict[str, Any]:
+        """Everything, buffers included, as JSON-able data (`from_record` reads it back)."""
+        return {
+            "report": self.report.to_record(),
+            "findings": [dataclasses.asdict(f) for f in self.findings],
+            "target": self.target.name if self.target else None,
+            "refused": dict(self.refused) if self.refused else None,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Diagnosis:
+        findings = []
+        for f in record["findings"]:
+            fields = dict(f)
+            fields["evidence"] = tuple(Buffer(**b) for b in fields["evidence"])
+            findings.append(Finding(**fields))
+        target = record.get("target")
+        return cls(
+            MemoryReport.from_record(record["report"]),
+            tuple(findings),
+            _targets.get_target(target) if target else None,
+            dict(record["refused"]) if record.get("refused") else None,
+            record.get("seconds", 0.0),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """One JSON-able object: the program's bytes, the fit and every finding."""
+        p = self.report.provenance
+        return {
+            "name": self.report.name,
+            "backend": p.backend,
+            "device_kind": p.device_kind,
+            "devices": p.devices,
+            "jax": p.jax,
+            "jaxlib": p.jaxlib,
+            "bytes": self.report.to_json()["bytes"],
+            "target": None
+            if self.target is None
+            else {
+                **self.target.to_json(),
+                "usable": self.target.usable(),
+                "fits": self.fits,
+                "margin": self.margin,
+                "refused": dict(self.refused) if self.refused else None,
+            },
+            "cases": self.cases,
+            "findings": [f.to_json() for f in self.findings],
+            "caveats": list(self.report.caveats),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _buffer_line(b: Any) -> str:
+    return (
+        f"{fmt_bytes(b.size):>10}  {b.shape}  {b.kind}  {b.instruction}  {b.op or '-'}  "
+        f"{b.source or '-'}"
+    )
+
+
+def diagnose(
+    fn: Callable[..., Any],
+    *args: Any,
+    target: str | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+    detectors: Sequence[Callable[[Program], list[Finding]]] | None = None,
+    measure_fixes: bool = True,
+    name: str | None = None,
+) -> Diagnosis:
+    """Compile `fn` for `args` and name the known memory problems in the compiled program.
+
+    Each detector of `runbook.detectors.DETECTORS` reads the compiled program (its buffers,
+    HLO, shardings and aliasing) for one mechanism this runbook has a case for, and says
+    how many bytes it accounts for, which buffers show it, and what to change.
+
+    Args:
+        fn: a function, or a `jax.jit` / `jax.pmap` object.
+        *args: concrete arrays or `jax.ShapeDtypeStruct`s (nothing is allocated).
+        target: compile for this device (a name from `runbook.targets()`) and say whether
+            the program fits its usable memory.
+        compiler_options: XLA options for the compilation. On CPU the diagnosis turns off
+            XLA:CPU's YNNPACK fusion, whose working memory the buffer assignment leaves out.
+        detectors: the detectors to run (default: all of `runbook.detectors.DETECTORS`).
+        measure_fixes: compile mechanical fixes (donating an argument) to measure what
+            they save; off, findings carry no measured saving.
+        name: a label for the program (default: the function's name).
+
+    Returns:
+        The `Diagnosis`, to print, to show in a notebook or to turn into JSON.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> def step(state, grad):
+        ...     return state - 0.1 * grad
+        >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+        >>> d = diagnose(step, x, x)
+        >>> d.cases
+        ['donation']
+        >>> d.findings[0].bytes == 1024 * 1024 * 4
+        True
+    """
+    from .detectors import DETECTORS
+
+    start = time.perf_counter()
+    refused = None
+    t = _targets.get_target(target) if target is not None else None
+    try:
+        program = Program.compile(
+            fn,
+            *args,
+            target=target,
+            compiler_options=compiler_options,
+            name=name,
+            measure_fixes=measure_fixes,
+        )
+    except DoesNotFitError as e:
+        if target is None:
+            raise
+        refused = {"needed": e.needed, "limit": e.limit, "what": e.what}
+        program = Program.compile(
+            fn, *args, compiler_options=compiler_options, name=name, measure_fixes=measure_fixes
+        )
+    findings = [f for detect in (detectors or DETECTORS) for f in detect(program)]
+    findings.sort(key=lambda f: -f.bytes)
+    return Diagnosis(program.report, tuple(findings), t, refused, time.perf_counter() - start)
+
+
+def detector_table() -> Table:
+    """What each detector of `runbook.detectors.DETECTORS` looks for, and its thresholds."""
+    import sys
+
+    from ._case import case_names
+    from .detectors import DETECTORS
+
+    rows = []
+    for detect in DETECTORS:
+        module = sys.modules[detect.__module__]
+        case = getattr(module, "CASE", None)
+        exists = case in case_names()
+        rows.append(
+            [
+                getattr(module, "PATTERN", detect.__module__),
+                case if exists else f"{case} (case to come)",
+                module.rule() if hasattr(module, "rule") else "",
+            ]
+        )
+    return Table(["finding", "case", "how it is recognised in the compiled program"], rows)
+
+
+# --- the runbook's own cases, diagnosed -------------------------------------------------------
+
+
+def diagnose_case(
+    name: str,
+    variant: str | None = None,
+    *,
+    scale: str = "seed",
+    at: Mapping[str, Any] | None = None,
+    target: str | None = None,
+) -> Diagnosis:
+    """Diagnose one program of a case (default: its reproduction at its worst grid point).
+
+    Compiled the way `runbook.measure_case` compiles it (a case that needs more devices
+    than this process has runs in a child process with simulated devices).
+    """
+    from ._accelerator import worst_point
+    from ._case import _needs_child, get_case, measure_case
+
+    case = get_case(name)
+    size = case.scale(scale)
+    chosen = (
+        case.variant(variant)
+        if variant
+        else next(v for v in case.variants if v.role == "reproduction")
+    )
+    if at is None:
+        repro = next(v for v in case.variants if v.role == "reproduction")
+        at = worst_point(measure_case(name, scale, variants=[repro.name], target=target))
+    if target is None and _needs_child(case):
+        record = _subprocess.call(
+            "runbook._diagnose:_diagnose_case_record",
+            devices=case.devices,
+            name=name,
+            variant=chosen.name,
+            scale=scale,
+            at=dict(at),
+        )
+        return Diagnosis.from_record(record)
+    t = _targets.require(target) if target is not None else None
+    with _targets.compiling_for(t):
+        return diagnose(
+            chosen.program(at),
+            *case.inputs(chosen, size, at, False),
+            target=target,
+            compiler_options=case.options() if target is None else None,
+            name=chosen.name,
+        )
+
+
+def _diagnose_case_record(name: str, variant: str, scale: str, at: dict) -> dict[str, Any]:
+    return diagnose_case(name, variant, scale=scale, at=at).to_record()
+
+
+def case_diagnoses(scale: str = "seed") -> list[tuple[str, str, Diagnosis]]:
+    """Every case's reproduction and recommended fix, diagnosed at the reproduction's worst
+    point: ``(case, variant, diagnosis)``."""
+    from ._accelerator import recommended, worst_point
+    from ._case import case_names, measure_case
+
+    out = []
+    for name in case_names():
+        result = measure_case(name, scale)
+        at = worst_point(result)
+        repro = next(r for r in result.select(role="reproduction", **at))
+        fix = recommended(result, at)
+        for report in (repro, fix):
+            if report is not None:
+                out.append(
+                    (name, report.name, diagnose_case(name, report.name, scale=scale, at=at))
+                )
+    return out
+
+
+def case_diagnosis_table(scale: str = "seed") -> Table:
+    """Each case's reproduction and recommended fix as `diagnose` sees them (a site table)."""
+    rows, labels = [], []
+    for name, variant, d in case_diagnoses(scale):
+        labels.append(d.report.provenance.label())
+        named = [f for f in d.findings if f.case == name]
+        own = max((f.bytes for f in named), default=0)
+        others = [f"{f.case or f.pattern} ({d._share(f)})" for f in d.findings if f.case != name]
+        rows.append(
+            [
+                name,
+                variant,
+                fmt_bytes(d.report.total),
+                f"{fmt_bytes(own)} ({own / d.report.total:.0%})" if named else "none",
+                ", ".join(others) or "none",
+                f"{d.seconds:.1f} s",
+            ]
+        )
+    return Table(
+        ["case", "program", "total", "finding of its own case", "other findings", "diagnosed in"],
+        rows,
+        f"Each case's reproduction and recommended fix at the reproduction's worst point, "
+        f"scale {scale!r}. " + "; ".join(dict.fromkeys(labels)) + ".",
+    )
+
+
+# --- the command line: `python -m runbook diagnose file.py:function --args file.py:make_args`
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def load_callable(spec: str, what: str = "function") -> Callable[..., Any]:
+    """The callable named by ``path/to/file.py:name`` (the file is imported as a module).
+
+    Raises:
+        RunbookError: the spec is malformed, the file is missing or fails to import, or it
+            has no callable of that name; the message is one line.
+    """
+    import importlib.util
+    import pathlib
+    import sys
+
+    from ._errors import RunbookError
+
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text or not name:
+        raise RunbookError(f"`{spec}`: expected path/to/file.py:{what}")
+    path = pathlib.Path(path_text)
+    if not path.is_file():
+        raise RunbookError(f"`{spec}`: no such file {path_text!r}")
+    module_name = f"_runbook_user_{abs(hash(str(path.resolve())))}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        loader = importlib.util.spec_from_file_location(module_name, path)
+        if loader is None or loader.loader is None:
+            raise RunbookError(f"`{spec}`: {path_text!r} is not a Python file")
+        module = importlib.util.module_from_spec(loader)
+        sys.path.insert(0, str(path.resolve().parent))  # its own imports of its neighbours
+        try:
+            loader.loader.exec_module(module)
+        except Exception as e:  # the user's file: whatever it raises, say so in one line
+            raise RunbookError(f"`{spec}`: importing {path_text!r} failed: {_one_line(e)}") from e
+        finally:
+            sys.path.remove(str(path.resolve().parent))
+        sys.modules[module_name] = module
+    found = getattr(module, name, None)
+    if found is None:
+        raise RunbookError(f"`{spec}`: {path_text!r} has no {what} named {name!r}")
+    if not callable(found):
+        raise RunbookError(f"`{spec}`: {name!r} is a {type(found).__name__}, not a {what}")
+    return found
+
+
+def diagnose_spec(
+    spec: str, args_spec: str | None = None, *, target: str | None = None
+) -> Diagnosis:
+    """`diagnose` for ``file.py:function``, its arguments from ``file.py:make_args()``.
+
+    `make_args` returns the arguments as a tuple (anything else is the one argument); give
+    `jax.ShapeDtypeStruct`s to allocate nothing. Every failure of the user's code (import,
+    `make_args`, tracing) is a `RunbookError` with a one-line message.
+    """
+    from ._errors import RunbookError
+
+    fn = load_callable(spec)
+    args: tuple[Any, ...] = ()
+    if args_spec:
+        make_args = load_callable(args_spec, "make_args function")
+        try:
+            made = make_args()
+        except Exception as e:  # the user's code
+            raise RunbookError(f"`{args_spec}` failed: {_one_line(e)}") from e
+        args = made if isinstance(made, tuple) else (made,)
+    try:
+        return diagnose(fn, *args, target=target, name=spec.rpartition(":")[2])
+    except RunbookError as e:
+        raise RunbookError(str(e).strip().splitlines()[0]) from e
+    except Exception as e:  # a failure inside the user's function while JAX traces it
+        raise RunbookError(f"could not trace `{spec}`: {_one_line(e)}") from e

@@ -1,0 +1,406 @@
+"""The compiled program as data: XLA's optimised HLO and buffer assignment, read back.
+
+`runbook.measure` keeps the largest buffers; a diagnosis needs more: which instruction
+feeds which, what a fusion computes, which values share memory and when each is live.
+XLA writes all of it when asked to dump a compilation (``xla_dump_to``); this module
+parses the dump into plain objects the detectors of `runbook.diagnose` query.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+import re
+from collections.abc import Iterator
+
+from ._buffers import _FILE_LOC, _FILE_NAME, _FRAME, _short_path
+
+_ITEMSIZE = {
+    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2,
+    "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8,
+    "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"^([a-z]\w*)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
+_NAME = re.compile(r"%?([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """An array shape as HLO prints it (``f32[8,128]``); tuples have no dtype."""
+
+    text: str
+
+    @functools.cached_property
+    def _parsed(self) -> tuple[str, tuple[int, ...]] | None:
+        m = _ARRAY.match(self.text)
+        if m is None:
+            return None
+        return m[1], tuple(int(d) for d in m[2].split(",") if d)
+
+    @property
+    def is_array(self) -> bool:
+        return self._parsed is not None
+
+    @property
+    def dtype(self) -> str:
+        return self._parsed[0] if self._parsed else ""
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self._parsed[1] if self._parsed else ()
+
+    @property
+    def nbytes(self) -> int:
+        if self._parsed is None:
+            return 0
+        return math.ceil(math.prod(self.dims) * _ITEMSIZE.get(self.dtype, 4))
+
+    def __str__(self) -> str:
+        return self.text.split("{")[0] if self.is_array else self.text
+
+
+def itemsize(dtype: str) -> float:
+    """Bytes per element of an HLO dtype (``"s16"`` -> 2)."""
+    return _ITEMSIZE.get(dtype, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: what it computes, from what, and the JAX op and line behind it."""
+
+    name: str
+    computation: str
+    shape: Shape
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str  # everything after the operand list, as printed
+    op_name: str = ""
+    source: str = ""
+    root: bool = False
+
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """Computations this instruction runs (a fusion's body, a while's body and condition)."""
+        found = re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", self.attributes)
+        if m := re.search(
+            r"(?:branch_computations|called_computations)=\{([^}]*)\}", self.attributes
+        ):
+            found += [n.strip().lstrip("%") for n in m[1].split(",") if n.strip()]
+        return tuple(found)
+
+    @property
+    def trip_count(self) -> int | None:
+        """A while loop's known trip count, when XLA recorded one."""
+        m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', self.attributes)
+        return int(m[1]) if m else None
+
+    @property
+    def parameter_number(self) -> int | None:
+        if self.opcode != "parameter":
+            return None
+        return int(self.operands[0]) if self.operands and self.operands[0].isdigit() else None
+
+    @property
+    def tuple_index(self) -> int | None:
+        m = re.search(r"\bindex=(\d+)", self.attributes)
+        return int(m[1]) if m else None
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """``"(f32[2]{0}, s32[]) tuple(...)"`` -> (shape text, the remainder)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].lstrip()
+    shape, _, remainder = rest.partition(" ")
+    return shape, remainder
+
+
+def _split_call(text: str) -> tuple[str, str, str] | None:
+    """``"fusion(%a, %b), kind=kLoop"`` -> ("fusion", "%a, %b", ", kind=kLoop")."""
+    m = re.match(r"([\w\-]+)\(", text)
+    if m is None:
+        return None
+    depth, start = 0, m.end() - 1
+    for i in range(start, len(text)):
+        depth += text[i] in "({"
+        depth -= text[i] in ")}"
+        if depth == 0:
+            return m[1], text[start + 1 : i], text[i + 1 :]
+    return m[1], text[start + 1 :], ""
+
+
+@dataclasses.dataclass
+class Module:
+    """A compiled HLO module: its computations, instructions and who uses what."""
+
+    name: str
+    entry: str
+    computations: dict[str, list[Instruction]]
+    aliases: dict[tuple[int, ...], int]  # output index -> parameter number it may reuse
+
+    @functools.cached_property
+    def instructions(self) -> dict[str, Instruction]:
+        return {i.name: i for body in self.computations.values() for i in body}
+
+    @functools.cached_property
+    def users(self) -> dict[str, list[Instruction]]:
+        found: dict[str, list[Instruction]] = {}
+        for body in self.computations.values():
+            for inst in body:
+                for op in inst.operands:
+                    found.setdefault(op, []).append(inst)
+        return found
+
+    def root(self, computation: str) -> Instruction | None:
+        return next((i for i in self.computations.get(computation, ()) if i.root), None)
+
+    def get(self, name: str) -> Instruction | None:
+        return self.instructions.get(name)
+
+    @property
+    def entry_instructions(self) -> list[Instruction]:
+        return self.computations.get(self.entry, [])
+
+    def parameters(self, computation: str | None = None) -> list[Instruction]:
+        """The parameters of `computation` (the entry by default), by number."""
+        body = self.computations.get(computation or self.entry, [])
+        found = [i for i in body if i.opcode == "parameter"]
+        return sorted(found, key=lambda i: i.parameter_number or 0)
+
+    def inner_ops(self, inst: Instruction) -> Iterator[Instruction]:
+        """Every instruction of the computations `inst` calls, recursively (a fusion's body)."""
+        seen: set[str] = set()
+        stack = list(inst.calls)
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for i in self.computations.get(name, ()):
+                yield i
+                stack.extend(i.calls)
+
+    def through(self, inst: Instruction) -> Instruction:
+        """What `inst` computes, looking through bitcasts, copies and one-op fusions' roots."""
+        seen = set()
+        while inst.name not in seen:
+            seen.add(inst.name)
+            if inst.opcode in ("bitcast", "copy", "reshape") and inst.operands:
+                nxt = self.get(inst.operands[0])
+            elif inst.opcode == "fusion" and inst.calls:
+                nxt = self.root(inst.calls[0])
+            else:
+                break
+            if nxt is None:
+                break
+            inst = nxt
+        return inst
+
+    def ancestors(self, name: str, limit: int = 100_000) -> set[str]:
+        """Every instruction `name` depends on in its computation (operands, transitively)."""
+        seen: set[str] = set()
+        first = self.get(name)
+        stack = list(first.operands) if first is not None else []
+        while stack and len(seen) < limit:
+            n = stack.pop()
+            if n in seen or n not in self.instructions:
+                continue
+            seen.add(n)
+            stack.extend(self.instructions[n].operands)
+        return seen
+
+
+def parse_module(text: str) -> Module:
+    """Parse the text XLA prints for an optimised module (``compiled.as_text()`` or a dump)."""
+    files: dict[str, str] = {}
+    functions: dict[str, str] = {}
+    locations: dict[str, str] = {}
+    frames: dict[str, str] = {}
+    table = ""
+    computations: dict[str, list[Instruction]] = {}
+    entry = name = computation = ""
+    aliases: dict[tuple[int, ...], int] = {}
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("HloModule "):
+            name = line.split()[1].rstrip(",")
+            if (m := re.search(r"input_output_alias=\{(.*?)\s\}(?:,|$)", line)) is not None:
+                for out, param in re.findall(r"\{([\d,\s]*)\}: \((\d+), \{", m[1]):
+                    key = tuple(int(x) for x in out.split(",") if x.strip())
+                    aliases[key] = int(param)
+            continue
+        if stripped in {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}:
+            table = stripped
+            continue
+        if table and re.match(r"^\d+ ", stripped):
+            if table == "FileNames" and (f := _FILE_NAME.match(stripped)):
+                files[f[1]] = f[2]
+            elif table == "FunctionNames" and (f := _FILE_NAME.match(stripped)):
+                functions[f[1]] = f[2]
+            elif table == "FileLocations" and (f := _FILE_LOC.match(stripped)):
+                locations[f[1]] = (
+                    f"{_short_path(files.get(f[2], '?'))}:{f[4]} ({functions.get(f[3], '?')})"
+                )
+            elif table == "StackFrames" and (f := _FRAME.match(stripped)):
+                frames[f[1]] = locations.get(f[2], "")
+            continue
+        table = ""
+        if (c := _COMPUTATION.match(line)) is not None and " = " not in line.split("(")[0]:
+            computation = c[2]
+            computations[computation] = []
+            if c[1]:
+                entry = computation
+            continue
+        if " = " not in stripped or not computation:
+            continue
+        lhs, _, rest = stripped.partition(" = ")
+        root = lhs.startswith("ROOT ")
+        inst_name = lhs.removeprefix("ROOT ").lstrip("%")
+        shape, rest = _split_shape(rest)
+        call = _split_call(rest)
+        if call is None:
+            continue
+        opcode, operand_text, attributes = call
+        operand_text = re.sub(r"/\*.*?\*/", "", operand_text)  # "/*index=5*/%a" -> "%a"
+        if opcode in ("parameter", "constant", "iota"):
+            operands = tuple(o.strip() for o in operand_text.split(",") if o.strip())[:1]
+        else:
+            operands = tuple(
+                m[1]
+                for o in operand_text.split(",")
+                if (m := _NAME.search(o.strip().split(" ")[-1]))
+            )
+        op_name = (
+            m[1].replace("\\'", "'") if (m := re.search(r'op_name="([^"]*)"', attributes)) else ""
+        )
+        source = ""
+        if (m := re.search(r"stack_frame_id=(\d+)", attributes)) is not None:
+            source = frames.get(m[1], "")
+        elif (m := re.search(r'source_file="([^"]*)" source_line=(\d+)', attributes)) is not None:
+            source = f"{_short_path(m[1])}:{m[2]}"
+        computations[computation].append(
+            Instruction(
+                inst_name,
+                computation,
+                Shape(shape),
+                opcode,
+                operands,
+                attributes,
+                op_name,
+                source,
+                root,
+            )
+        )
+    return Module(name, entry, computations, aliases)
+
+
+# --- the buffer assignment -----------------------------------------------------------------
+
+_ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
+_VALUE = re.compile(r"^ value: <\d+ ([^ >]+)(?: @[^>]*)?> \(size=(\d+),offset=(\d+)\): (\S+)")
+_LIVE = re.compile(r"^\s+([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """One value of the buffer assignment: an instruction's result (or one tuple element)."""
+
+    instruction: str
+    index: str  # "{}" for the whole result, "{1}" for element 1 of a tuple
+    size: int
+    offset: int
+    allocation: int
+    kind: str  # argument, output, temp, constant or thread-local
+    shape: str
+
+    @property
+    def extent(self) -> tuple[int, int, int]:
+        """(allocation, offset, size): two values with the same extent share memory."""
+        return self.allocation, self.offset, self.size
+
+
+def _kind(header: str) -> str:
+    if "parameter" in header:
+        return "argument"
+    if "output" in header or "live-out" in header:
+        return "output"
+    if "constant" in header:
+        return "constant"
+    if "thread-local" in header:
+        return "thread-local"
+    return "temp"
+
+
+def parse_assignment(text: str) -> list[Value]:
+    """Every value of a dumped buffer assignment, in the order XLA lists them."""
+    values: list[Value] = []
+    kind, alloc = "temp", -1
+    for line in text.splitlines():
+        if (a := _ALLOC.match(line)) is not None:
+            kind, alloc = _kind(a[3]), int(a[1])
+        elif (v := _VALUE.match(line)) is not None:
+            name, _, index = v[1].partition("{")
+            values.append(
+                Value(
+                    name,
+                    "{" + index if index else "{}",
+                    int(v[2]),
+                    int(v[3]),
+                    alloc,
+                    kind,
+                    v[4].split("{")[0],
+                )
+            )
+        elif line.startswith(("Used values", "HloLiveRange", "Total bytes")):
+            break
+    return values
+
+
+def parse_live_ranges(text: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(instruction, index) -> (first, last) position in the schedule, from a live-range dump."""
+    ranges: dict[tuple[str, str], tuple[int, int]] = {}
+    inside = False
+    for line in text.splitlines():
+        if line.strip() == "BufferLiveRange:":
+            inside = True
+            continue
+        if inside:
+            m = _LIVE.match(line)
+            if m is None:
+                if line.strip() and not line.startswith("    "):
+                    break
+                continue
+            ranges[(m[1], m[2])] = (int(m[3]), int(m[4]))
+    return ranges
+
+
+@dataclasses.dataclass
+class Dump:
+    """What XLA dumped for one compiled program."""
+
+    module: Module
+    values: list[Value]
+    live: dict[tuple[str, str], tuple[int, int]]
+
+
+def read_dump(directory: pathlib.Path) -> Dump | None:
+    """The largest program's optimised module, buffer assignment and live ranges."""
+    assignments = sorted(directory.glob("*after_optimizations-buffer-assignment.txt"))
+    if not assignments:
+        return None
+    assignment = max(assignments, key=lambda p: p.stat().st_size)
+    stem = assignment.name.removesuffix("-buffer-assignment.txt")
+    hlo = assignment.with_name(stem + ".txt")
+    live = assignment.with_name(stem + "-live-range.txt")
+    return Dump(
+        parse_module(hlo.read_text() if hlo.exists() else ""),
+        parse_assignment(assignment.read_text()),
+        parse_live_ranges(live.read_text()) if live.exists() else {},
+    )

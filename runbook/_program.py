@@ -1,0 +1,420 @@
+"""What a diagnosis reads: one compiled program, its HLO, its buffers and its inputs.
+
+`Program.compile` compiles a function the way `runbook.measure` does, keeps XLA's dump
+and answers the questions the detectors of `runbook.detectors` ask: which buffers are live
+together, which instruction made a value and from what, which inputs are donated or
+replicated. A detector reads only this: the compiled program, never the function's name or
+source text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from . import _targets
+from ._buffers import Buffer, parse_dump
+from ._errors import RunbookError
+from ._hlo import Dump, Instruction, Shape, Value, read_dump
+from ._measure import YNN_OPTION, MemoryReport, _backend_caveats, _devices_used, compile_fn
+from ._provenance import Provenance
+from ._quiet import start_backend
+
+SITE_FIX = "cases/{case}.html#fix"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One known mechanism recognised in a compiled program.
+
+    Attributes:
+        pattern: the mechanism, in a few words (``"index copy for a gather"``).
+        case: the runbook case that explains it (a name from `runbook.case_names()`), or
+            None.
+        bytes: the bytes the finding accounts for, per device.
+        evidence: the buffers behind it, largest first: size, shape, kind, the HLO
+            instruction, the JAX operation and the source line that made each.
+        fix: what to change, in one sentence, with the case page's fix section and the
+            package function to copy where the case exists.
+        detail: what was seen in the compiled program, in one sentence.
+        informational: worth knowing, not a problem at this size (e.g. small replicated
+            inputs).
+        saving: bytes the fix saved when it could be applied mechanically and measured
+            (e.g. donating an argument); None when it was not measured.
+        link: the case page's fix section, relative to the site root, when the case exists.
+        copy: the package function to copy, when the case exists.
+    """
+
+    pattern: str
+    case: str | None
+    bytes: int
+    evidence: tuple[Buffer, ...]
+    fix: str
+    detail: str = ""
+    informational: bool = False
+    saving: int | None = None
+    link: str | None = None
+    copy: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pattern": self.pattern,
+            "case": self.case,
+            "bytes": self.bytes,
+            "informational": self.informational,
+            "saving": self.saving,
+            "detail": self.detail,
+            "fix": self.fix,
+            "link": self.link,
+            "copy": self.copy,
+            "evidence": [dataclasses.asdict(b) for b in self.evidence],
+        }
+
+
+def _importable(dotted: str) -> bool:
+    module, _, name = dotted.rpartition(".")
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
+def finding(
+    pattern: str,
+    case: str | None,
+    nbytes: int,
+    evidence: Iterable[Buffer],
+    sentence: str,
+    *,
+    copy: str | None = None,
+    **fields: Any,
+) -> Finding:
+    """A `Finding` whose fix is `sentence`, with the case's fix link and `copy` when the case
+    exists in this runbook (a case not yet registered gets the sentence alone)."""
+    from ._case import case_names
+
+    link = SITE_FIX.format(case=case) if case in case_names() else None
+    copy = copy if link and copy and _importable(copy) else None
+    fix = sentence.rstrip(".")
+    if link:
+        fix += f" ({link}" + (f"; copy `{copy}`" if copy else "") + ")"
+    evidence = tuple(sorted(evidence, key=lambda b: -b.size))
+    return Finding(pattern, case, int(nbytes), evidence, fix + ".", link=link, copy=copy, **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """One input of the compiled program (a leaf of the arguments JAX kept)."""
+
+    number: int  # the HLO parameter number
+    path: str  # the argument path JAX recorded, e.g. "params[0][0]"
+    shape: Shape
+    argnum: int | None  # the positional argument it belongs to
+    aliased: bool  # donated: an output may reuse its buffer
+    replicated: bool  # the whole array on every device of a multi-device program
+    instruction: Instruction
+
+
+def cpu_accounting_options() -> dict[str, Any]:
+    """XLA options that make XLA:CPU's buffer assignment count every kernel's memory.
+
+    jaxlib 0.10's XLA:CPU fuses matrix products into YNNPACK kernels whose working memory
+    the buffer assignment leaves out (see `runbook.measure`'s caveats); a diagnosis needs
+    those products as buffers. Empty on other backends and on jaxlibs without the option.
+    """
+    start_backend()  # with the plugins' start-up chatter filtered
+    return dict(_cpu_accounting()) if jax.default_backend() == "cpu" else {}
+
+
+@functools.cache
+def _cpu_accounting() -> tuple[tuple[str, Any], ...]:
+    try:
+        jax.jit(lambda a: a).lower(1.0).compile({YNN_OPTION: ""})
+    except Exception:  # noqa: BLE001 - older jaxlib: no such option, and no such fusion
+        return ()
+    return ((YNN_OPTION, ""),)
+
+
+class Program:
+    """A compiled program and everything XLA said about it.
+
+    Attributes:
+        fn, args: what was compiled (a detector may recompile a mechanical fix).
+        report: its `MemoryReport`, buffers included.
+        module: the optimised HLO (`runbook._hlo.Module`).
+        values: every value of the buffer assignment.
+        live: each value's live range in the schedule, where XLA wrote one.
+        parameters: the inputs, by HLO parameter number.
+        devices: how many devices the program runs on.
+        target: the target it was compiled for, or None for this process's backend.
+        options: the XLA options it was compiled with.
+        measure_fixes: whether a detector may compile a mechanical fix to measure it.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        report: MemoryReport,
+        dump: Dump,
+        compiled: Any,
+        target: _targets.Target | None,
+        options: Mapping[str, Any],
+        *,
+        measure_fixes: bool = True,
+    ) -> None:
+        self.fn, self.args, self.report = fn, tuple(args), report
+        self.measure_fixes = measure_fixes
+        self.module, self.values, self.live = dump.module, dump.values, dump.live
+        self.target, self.options = target, dict(options)
+        self.devices = _devices_used(compiled)
+        self.parameters = self._parameters(compiled)
+
+    @classmethod
+    def compile(
+        cls,
+        fn: Callable[..., Any],
+        *args: Any,
+        target: str | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
+        name: str | None = None,
+        measure_fixes: bool = True,
+    ) -> Program:
+        """Compile `fn` for `args` (abstract welcome) and read back XLA's dump."""
+        options = cpu_accounting_options() if target is None else {}
+        options.update(compiler_options or {})
+        with tempfile.TemporaryDirectory(prefix="runbook-diagnose-") as dump_dir:
+            start = time.perf_counter()
+            compiled = compile_fn(
+                fn, *args, compiler_options={**options, "xla_dump_to": dump_dir}, target=target
+            )
+            seconds = time.perf_counter() - start
+            stats = compiled.memory_analysis()
+            buffers = tuple(parse_dump(pathlib.Path(dump_dir)))
+            dump = read_dump(pathlib.Path(dump_dir))
+        where = target or jax.default_backend()
+        if stats is None or dump is None:
+            raise RunbookError(f"the {where} compiler reports no buffer assignment to diagnose.")
+        devices = _devices_used(compiled)
+        report = MemoryReport(
+            name=name or str(getattr(fn, "__name__", type(fn).__name__)),
+            argument=int(stats.argument_size_in_bytes),
+            output=int(stats.output_size_in_bytes),
+            temp=int(stats.temp_size_in_bytes),
+            alias=int(stats.alias_size_in_bytes),
+            provenance=Provenance.for_target(target, devices) if target else Provenance.current(),
+            compile_seconds=seconds,
+            buffers=buffers,
+            caveats=() if target else _backend_caveats(compiled, options),
+        )
+        t = _targets.get_target(target) if target else None
+        return cls(fn, args, report, dump, compiled, t, options, measure_fixes=measure_fixes)
+
+    # --- inputs and outputs ---------------------------------------------------------------
+
+    def _parameters(self, compiled: Any) -> list[Parameter]:
+        try:  # one sharding per leaf of the arguments; None for a leaf JAX pruned as unused
+            shardings, _ = jax.tree_util.tree_flatten(
+                compiled.input_shardings[0], is_leaf=lambda x: x is None
+            )
+        except Exception:  # noqa: BLE001 - older releases: assume every leaf was kept
+            shardings = []
+        owners = [
+            i
+            for i, arg in enumerate(self.args)
+            for _ in jax.tree_util.tree_leaves(arg, is_leaf=lambda x: x is None)
+        ]
+        kept = [(i, s) for i, s in enumerate(shardings) if s is not None] if shardings else []
+        aliased = set(self.module.aliases.values())
+        out = []
+        for k, inst in enumerate(self.module.parameters()):
+            leaf, sharding = kept[k] if k < len(kept) else (None, None)
+            number = inst.parameter_number if inst.parameter_number is not None else k
+            replicated = bool(
+                sharding is not None
+                and len(sharding.device_set) > 1
+                and sharding.is_fully_replicated
+            )
+            out.append(
+                Parameter(
+                    number,
+                    inst.op_name or inst.name,
+                    inst.shape,
+                    owners[leaf] if leaf is not None and leaf < len(owners) else None,
+                    number in aliased,
+                    replicated,
+                    inst,
+                )
+            )
+        return out
+
+    def outputs(self) -> list[tuple[tuple[int, ...], Instruction]]:
+        """(output index, the instruction that computes it) for each output of the program."""
+        root = self.module.root(self.module.entry)
+        if root is None:
+            return []
+        if root.opcode != "tuple":
+            return [((), root)]
+        found: list[tuple[tuple[int, ...], Instruction]] = []
+        for i, name in enumerate(root.operands):
+            inst = self.module.get(name)
+            if inst is not None:
+                found.append(((i,), inst))
+        return found
+
+    def aliased_output(self, index: tuple[int, ...]) -> bool:
+        return index in self.module.aliases
+
+    # --- what made a value ----------------------------------------------------------------
+
+    @property
+    def total(self) -> int:
+        return self.report.total
+
+    def describe(self, inst: Instruction) -> tuple[str, str]:
+        """The JAX op name and source line of `inst`, from inside a fusion when it has none."""
+        op, source, seen = inst.op_name, inst.source, set()
+        current: Instruction | None = inst
+        while current is not None and (not op or not source) and current.calls:
+            if current.name in seen:
+                break
+            seen.add(current.name)
+            current = self.module.root(current.calls[0])
+            if current is not None:
+                op, source = op or current.op_name, source or current.source
+        return op, source
+
+    def buffer(self, inst: Instruction, value: Value | None = None) -> Buffer:
+        """Evidence for `inst` (its buffer-assignment value where it has one)."""
+        op, source = self.describe(inst)
+        if value is None:
+            value = next((v for v in self.values_of(inst.name)), None)
+        size = value.size if value else inst.shape.nbytes
+        shape = value.shape if value else str(inst.shape)
+        kind = value.kind if value else "fused"
+        return Buffer(size, shape, kind, f"{inst.name} ({inst.opcode})", op, source)
+
+    @functools.cached_property
+    def _values_by_name(self) -> dict[str, list[Value]]:
+        found: dict[str, list[Value]] = {}
+        for v in self.values:
+            found.setdefault(v.instruction, []).append(v)
+        return found
+
+    def values_of(self, name: str) -> list[Value]:
+        """The buffer-assignment values of instruction `name` (empty when it has none)."""
+        return self._values_by_name.get(name, [])
+
+    def peak(self, values: Iterable[Value]) -> int:
+        """The most bytes `values` hold at one point of the schedule.
+
+        Values that share memory (the same allocation and offset) count once; without live
+        ranges from XLA, every distinct piece of memory counts.
+        """
+        chosen = list({(v.instruction, v.index): v for v in values}.values())
+        found = [self.live.get((v.instruction, v.index)) for v in chosen]
+        if not chosen:
+            return 0
+        ranges = [r for r in found if r is not None]
+        if len(ranges) < len(found):
+            return sum({v.extent[:2]: v.size for v in chosen}.values())
+        best = 0
+        for start, _ in ranges:
+            live = {
+                v.extent[:2]: v.size
+                for v, (a, b) in zip(chosen, ranges, strict=True)
+                if a <= start <= b
+            }
+            best = max(best, sum(live.values()))
+        return best
+
+    def operand(self, inst: Instruction, k: int) -> Instruction | None:
+        """The `k`-th operand of `inst`; a fusion's parameter resolved to the caller's operand."""
+        if k >= len(inst.operands):
+            return None
+        found = self.module.get(inst.operands[k])
+        return self.outside(found) if found is not None else None
+
+    def outside(self, inst: Instruction) -> Instruction:
+        """For a parameter of a fused computation: the operand the fusion was called with."""
+        seen = set()
+        while inst.opcode == "parameter" and inst.computation not in seen:
+            seen.add(inst.computation)
+            caller = self.callers.get(inst.computation)
+            number = inst.parameter_number
+            if caller is None or caller.opcode != "fusion" or number is None:
+                break
+            nxt = (
+                self.module.get(caller.operands[number]) if number < len(caller.operands) else None
+            )
+            if nxt is None:
+                break
+            inst = nxt
+        return inst
+
+    @functools.cached_property
+    def callers(self) -> dict[str, Instruction]:
+        """Computation name -> the instruction that calls it (the first one found)."""
+        found: dict[str, Instruction] = {}
+        for body in self.module.computations.values():
+            for inst in body:
+                for c in inst.calls:
+                    found.setdefault(c, inst)
+        return found
+
+    def in_loop(self, inst: Instruction) -> bool:
+        """True when `inst` runs inside a while loop's body (a scan, a fori_loop, lax.map)."""
+        computation, seen = inst.computation, set()
+        while computation in self.callers and computation not in seen:
+            seen.add(computation)
+            caller = self.callers[computation]
+            if caller.opcode == "while":
+                return True
+            computation = caller.computation
+        return False
+
+    @functools.cached_property
+    def has_backward(self) -> bool:
+        """True when the program holds a reverse-mode pass (ops JAX names ``transpose(...)``)."""
+        return any("transpose(" in i.op_name for i in self.module.instructions.values())
+
+    def backward_ancestry(self, name: str) -> bool:
+        """True when instruction `name` is computed from the reverse-mode pass."""
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            inst = self.module.get(n)
+            if inst is None:
+                continue
+            if "transpose(" in inst.op_name:
+                return True
+            if inst.opcode == "fusion" and any(
+                "transpose(" in i.op_name for i in self.module.inner_ops(inst)
+            ):
+                return True
+            todo.extend(inst.operands)
+        return False
+
+    def entry_parameters_of(self, name: str) -> set[int]:
+        """The entry parameters instruction `name` depends on (HLO parameter numbers)."""
+        found = set()
+        for n in {name} | self.module.ancestors(name):
+            inst = self.module.get(n)
+            if (
+                inst is not None
+                and inst.opcode == "parameter"
+                and inst.computation == self.module.entry
+            ):
+                found.add(inst.parameter_number or 0)
+        return found

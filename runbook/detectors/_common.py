@@ -1,0 +1,98 @@
+"""Questions several detectors ask of a `Program`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from .._hlo import Instruction
+from .._program import Parameter, Program
+
+_PASS = ("bitcast", "copy", "reshape", "convert")
+
+
+def source_of(program: Program, inst: Instruction) -> Instruction:
+    """What `inst` is made from when it only moves or reinterprets data (bitcast, copy)."""
+    seen = set()
+    while inst.opcode in _PASS and inst.operands and inst.name not in seen:
+        seen.add(inst.name)
+        nxt = program.operand(inst, 0)
+        if nxt is None:
+            break
+        inst = nxt
+    return inst
+
+
+def entry_parameter(program: Program, inst: Instruction) -> Parameter | None:
+    """The program input `inst` is (through bitcasts and copies), or None."""
+    inst = source_of(program, program.outside(inst))
+    if inst.opcode != "parameter" or inst.computation != program.module.entry:
+        return None
+    return next((p for p in program.parameters if p.number == inst.parameter_number), None)
+
+
+def reads(program: Program, inst: Instruction) -> list[Instruction]:
+    """What `inst` computes its result from: its operands, or, for one result of a
+    multi-output fusion, the operands that result's part of the fusion reads."""
+    if inst.opcode == "get-tuple-element" and inst.operands:
+        fusion = program.module.get(inst.operands[0])
+        root = program.module.root(fusion.calls[0]) if fusion and fusion.calls else None
+        k = inst.tuple_index
+        if (
+            fusion
+            and fusion.opcode == "fusion"
+            and root
+            and root.opcode == "tuple"
+            and k is not None
+        ):
+            element = root.operands[k]
+            inside = [program.module.get(n) for n in {element} | program.module.ancestors(element)]
+            return [program.outside(i) for i in inside if i is not None and i.opcode == "parameter"]
+    found = (program.operand(inst, k) for k in range(len(inst.operands)))
+    return [i for i in found if i is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePair:
+    """An output computed elementwise from an input of its own shape: new state from old."""
+
+    index: tuple[int, ...]
+    output: Instruction
+    parameter: Parameter
+    aliased: bool
+
+
+def state_pairs(program: Program) -> list[StatePair]:
+    """Outputs that update an input of the same shape and dtype (``p - lr * g``, ``b * m``).
+
+    An output is paired with an input of its shape that the instruction computing it reads
+    directly (a fusion's operands count): a new value computed from the old one. Outputs
+    that are the input itself, passed through, are not updates. Each input pairs once;
+    where an output reads several candidates (``m`` and ``g`` in ``0.9 * m + 0.1 * g``),
+    the one fewest outputs read is its state (``g`` feeds several updates, ``m`` one).
+    """
+    candidates: list[tuple[tuple[int, ...], Instruction, list[Parameter]]] = []
+    for index, inst in program.outputs():
+        if not inst.shape.is_array or entry_parameter(program, inst) is not None:
+            continue  # a tuple, or an input passed through unchanged
+        found: dict[int, Parameter] = {}
+        for operand in reads(program, source_of(program, inst)):
+            param = entry_parameter(program, operand)
+            if (
+                param is not None
+                and param.shape.dims == inst.shape.dims
+                and param.shape.dtype == inst.shape.dtype
+            ):
+                found.setdefault(param.number, param)
+        if found:
+            candidates.append((index, inst, list(found.values())))
+    readers = Counter(p.number for *_, params in candidates for p in params)
+    taken: set[int] = set()
+    pairs = []
+    for index, inst, params in sorted(candidates, key=lambda c: len(c[2])):
+        free = [p for p in params if p.number not in taken]
+        if free:
+            param = min(free, key=lambda p: (readers[p.number], p.number))
+            taken.add(param.number)
+            pairs.append(StatePair(index, inst, param, program.aliased_output(index)))
+    return sorted(pairs, key=lambda p: p.index)

@@ -1,0 +1,86 @@
+"""`donation`: a state-update step whose new state does not reuse the old state's memory.
+
+A training step returns new parameters and optimizer state shaped like the ones it was
+given. Unless the inputs are donated (``jax.jit(step, donate_argnums=...)``), XLA must
+keep the old state alive for the caller while it writes the new one: both copies exist at
+once. Donating lets the outputs reuse the inputs' buffers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+
+from .._errors import RunbookError
+from .._measure import _is_pmap
+from .._program import Finding, Program, finding
+from .._render import fmt_bytes
+from ._common import state_pairs
+
+MIN_SHARE = 0.10  # of the program's total: undonated state below this is not reported
+PATTERN = "state outputs not donated"
+CASE = "donation"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        "outputs computed directly from an input of their own shape and dtype, neither aliased, "
+        f"at least {MIN_SHARE:.0%} of the program's total; the step is compiled again with "
+        "those arguments donated, and reported only if that saves memory"
+    )
+
+
+def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
+    """The program's total with `argnums` donated (compiled the same way), or None."""
+    if _is_pmap(program.fn):
+        return None  # jax.pmap: donation is its own argument; not applied mechanically
+    donated = jax.jit(program.fn, donate_argnums=argnums)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "some donated buffers were not usable"
+            fixed = Program.compile(
+                donated,
+                *program.args,
+                target=program.target.name if program.target else None,
+                compiler_options=program.options,
+            )
+    except (RunbookError, TypeError, ValueError):
+        return None
+    return fixed.total
+
+
+def detect(program: Program) -> list[Finding]:
+    pairs = [p for p in state_pairs(program) if not p.aliased and not p.parameter.aliased]
+    nbytes = sum(p.output.shape.nbytes for p in pairs)
+    if not pairs or nbytes < MIN_SHARE * program.total:
+        return []
+    argnums = tuple(sorted({p.parameter.argnum for p in pairs if p.parameter.argnum is not None}))
+    saving = None
+    if argnums and program.measure_fixes:
+        donated = measure_donated(program, argnums)
+        if donated is not None:
+            saving = program.total - donated
+            if saving <= 0:
+                return []  # donating changes nothing here: no finding to make
+    measured = (
+        f" Compiled again with donate_argnums={argnums}: {fmt_bytes(saving)} less."
+        if saving is not None
+        else ""
+    )
+    names = ", ".join(p.parameter.path for p in pairs[:3]) + (", ..." if len(pairs) > 3 else "")
+    return [
+        finding(
+            PATTERN,
+            CASE,
+            nbytes,
+            [program.buffer(p.output) for p in pairs],
+            f"Donate the state arguments, jax.jit(step, donate_argnums={argnums or '(...)'}), "
+            "so that the new state is written into the old state's buffers",
+            detail=f"{len(pairs)} output(s) are computed from an input of the same shape "
+            f"({names}) and reuse none of the inputs' memory: {fmt_bytes(nbytes)} held twice."
+            + measured,
+            saving=saving,
+        )
+    ]

@@ -1,0 +1,57 @@
+"""`vmap-materialize`: temporaries made for the whole batch at once under `jax.vmap`.
+
+`jax.vmap` turns every operation of the per-example function into one batched operation,
+so each intermediate exists for the whole batch at the same time. Where a per-example
+intermediate is large, the batch of them is what runs out of memory; ``lax.map`` with a
+``batch_size`` (or a rolled loop) holds a few examples' worth at a time.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .._program import Finding, Program, finding
+from .._render import fmt_bytes
+
+MIN_SHARE = 0.25  # of the program's total, held at once by vmapped temporaries
+MAX_EVIDENCE = 6
+PATTERN = "whole-batch temporaries under vmap"
+CASE = "vmap-materialize"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        f"temporaries of operations JAX names vmap(...), outside any loop, at least "
+        f"{MIN_SHARE:.0%} of the program's total live at once"
+    )
+
+
+_VMAP = re.compile(r"(?:^|/)vmap\(")
+
+
+def detect(program: Program) -> list[Finding]:
+    chosen = []
+    for v in program.values:
+        inst = program.module.get(v.instruction)
+        if v.kind != "temp" or inst is None or program.in_loop(inst):
+            continue  # inside a loop: a chunk of the batch (lax.map), not all of it
+        if _VMAP.search(program.describe(inst)[0]):
+            chosen.append((v, inst))
+    nbytes = program.peak(v for v, _ in chosen)
+    if not chosen or nbytes < MIN_SHARE * program.total:
+        return []
+    evidence = [program.buffer(inst, v) for v, inst in chosen]
+    lines = sorted({program.describe(inst)[1] for _, inst in chosen} - {""})
+    return [
+        finding(
+            PATTERN,
+            CASE,
+            nbytes,
+            sorted(evidence, key=lambda b: -b.size)[:MAX_EVIDENCE],
+            "Map over the batch in chunks with lax.map(f, xs, batch_size=k) (or a rolled "
+            "loop) so that k examples' temporaries exist at a time instead of the whole batch's",
+            detail=f"{len(chosen)} temporaries of vmapped operations, {fmt_bytes(nbytes)} live "
+            f"at once, made at {', '.join(lines[:3]) or 'lines XLA did not record'}.",
+        )
+    ]

@@ -1,0 +1,589 @@
+"""`runbook.diagnose`: every case named on its reproduction, its fix left alone, each detector
+on small programs that show its mechanism and on their obvious fixes, the renderings, the CLI.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import runbook
+import runbook.site
+from runbook._accelerator import recommended, worst_point
+from runbook._cli import main
+from runbook._diagnose import case_diagnosis_table, diagnose_case
+from runbook._subprocess import child_env
+from runbook._targets import unavailable
+from runbook.detectors import DETECTORS
+
+S = jax.ShapeDtypeStruct
+f32 = jnp.float32
+
+# Cases whose detectors exist before the case itself: the names they will have. A finding
+# may name one of these only while it is not registered; once it is, every check applies.
+PENDING = {
+    "scan-residuals",
+    "vmap-materialize",
+    "donation",
+    "closure-constant",
+    "frozen-params",
+    "vocab-logits",
+}
+SECONDS = 10  # the issue's target for one diagnosis at seed scale, here
+
+
+def named(diagnosis, case):
+    return [f for f in diagnosis.findings if f.case == case]
+
+
+def patterns(diagnosis):
+    return {f.case for f in diagnosis.findings}
+
+
+# --- the runbook's own cases ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seeds():
+    return {name: runbook.measure_case(name, "seed") for name in runbook.case_names()}
+
+
+@pytest.mark.parametrize("name", runbook.case_names())
+def test_reproduction_is_diagnosed_as_its_case_within_the_time(seeds, name):
+    at = worst_point(seeds[name])
+    d = diagnose_case(name, at=at)
+    assert d.cases[:1] == [name], str(d)  # named, and the largest finding
+    own = named(d, name)[0]
+    assert own.bytes >= 0.10 * d.report.total
+    assert own.evidence
+    assert d.seconds < SECONDS
+
+
+@pytest.mark.parametrize("name", runbook.case_names())
+def test_recommended_fix_draws_no_finding_of_its_case(seeds, name):
+    result = seeds[name]
+    at = worst_point(result)
+    fix = recommended(result, at)
+    assert fix is not None
+    d = diagnose_case(name, fix.name, at=at)
+    too_big = [f for f in named(d, name) if f.bytes > 0.05 * d.report.total]
+    assert not too_big, str(d)
+
+
+def test_case_table_names_each_reproduction():
+    table = case_diagnosis_table()
+    rows = {(r[0], r[1]): r for r in table.rows}
+    for name in runbook.case_names():
+        repro = [r for (case, _), r in rows.items() if case == name and r[3] != "none"]
+        assert repro, table
+
+
+def test_int16_index_copy_is_named_as_widened():
+    d = diagnose_case("gather-grad", at={"index_dtype": "int16", "chunk": 2**22})
+    (f,) = named(d, "gather-grad")
+    assert "widened from s16 to s32" in f.detail
+    assert f.evidence[0].shape.startswith("s32")
+
+
+def test_pmap_loop_replication_is_information_without_a_device_limit(seeds):
+    d = diagnose_case("pmap-loop", at=worst_point(seeds["pmap-loop"]))
+    replicated = [f for f in d.findings if f.pattern.startswith("inputs replicated")]
+    assert len(replicated) == 1
+    assert replicated[0].informational
+    assert replicated[0].bytes == 128 * 2048 * 256 * 4  # the whole input, on each device
+
+
+# --- no false alarm on a realistic training step ----------------------------------------------
+
+
+def mlp(params, x):
+    for w, b in params[:-1]:
+        x = jax.nn.gelu(x @ w + b)
+    w, b = params[-1]
+    return x @ w + b
+
+
+def mlp_loss(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(params, x), y).mean()
+
+
+OPTIMIZER = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+
+def train_step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def mlp_inputs(widths=(784, 4096, 4096, 4096, 10), batch=1024):
+    params = [(S((m, n), f32), S((n,), f32)) for m, n in itertools.pairwise(widths)]
+    opt_state = jax.eval_shape(OPTIMIZER.init, params)
+    return params, opt_state, S((batch, widths[0]), f32), S((batch,), jnp.int32)
+
+
+def test_realistic_training_step_draws_no_false_alarm():
+    step = jax.jit(train_step, donate_argnums=(0, 1))
+    d = runbook.diagnose(step, *mlp_inputs())
+    assert not d.findings, str(d)
+    assert d.seconds < SECONDS
+
+
+def test_gradient_of_a_layer_chain_is_not_an_unrolled_loop():
+    # A Python loop over layers of one width: same-shape temporaries from one line, but each
+    # computed from the last, and all needed by the backward pass.
+    params, _, x, y = mlp_inputs()
+    assert not runbook.diagnose(jax.grad(mlp_loss), params, x, y).findings
+
+
+def test_undonated_training_step_is_named_donation_with_a_measured_saving():
+    inputs = mlp_inputs()
+    d = runbook.diagnose(train_step, *inputs)
+    assert [f.case for f in d.findings] == ["donation"], str(d)
+    (f,) = d.findings
+    state = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(inputs[:2]))
+    assert f.bytes >= 0.99 * state - 64  # every array of the state (not the step counts)
+    donated = runbook.measure(jax.jit(train_step, donate_argnums=(0, 1)), *inputs)
+    assert f.saving == d.report.total - donated.total > 0
+
+
+# --- each detector on small programs that show its mechanism, and on their fixes -------------
+
+
+def gather_loss(x, idx):
+    return jnp.sum(x[idx[:, 0], idx[:, 1]] ** 2)
+
+
+def gather_whole(x, idx):
+    dims = lax.GatherDimensionNumbers((), (0, 1), (0, 1))
+    return jnp.sum(lax.gather(x, idx, dims, (1, 1), mode="promise_in_bounds") ** 2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int16])
+def test_index_copy_of_a_tuple_index(dtype):
+    x, idx = S((256, 256), f32), S((2**22, 2), dtype)
+    d = runbook.diagnose(jax.grad(gather_loss), x, idx)
+    (f,) = named(d, "gather-grad")
+    assert f.bytes == 2**22 * 2 * 4  # the copy is int32 whatever the input's width
+    assert ("widened from s16" in f.detail) == (dtype == jnp.int16)
+    assert not named(runbook.diagnose(jax.grad(gather_whole), x, idx), "gather-grad")
+
+
+def loop_of_products(xs):
+    total = jnp.zeros((), xs.dtype)
+    for i in range(xs.shape[0]):
+        a = xs[i].reshape(-1, 128)
+        total += jnp.sum(jnp.tanh(a @ a.T))
+    return total
+
+
+def rolled_products(xs):
+    def body(i, total):
+        a = xs[i].reshape(-1, 128)
+        return total + jnp.sum(jnp.tanh(a @ a.T))
+
+    return lax.fori_loop(0, xs.shape[0], body, jnp.zeros((), xs.dtype))
+
+
+def test_unrolled_python_loop():
+    xs = S((16, 1024 * 128), f32)
+    d = runbook.diagnose(loop_of_products, xs)
+    (f,) = named(d, "pmap-loop")
+    product = 1024 * 1024 * 4
+    assert f.bytes >= 16 * product  # every iteration's product at once
+    assert {b.shape for b in f.evidence} >= {"f32[1024,1024]"}
+    assert not runbook.diagnose(rolled_products, xs).findings
+
+
+REPLICATED = textwrap.dedent(
+    """
+    import json, jax, jax.numpy as jnp, runbook
+    from runbook._targets import unavailable
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    def f(x, table):
+        return x @ table
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    out = {}
+    for spec in ("whole", "split"):
+        t = NamedSharding(mesh, P() if spec == "whole" else P(None, "d"))
+        table = jax.ShapeDtypeStruct((1024, 8192), jnp.float32, sharding=t)
+        out[spec] = runbook.diagnose(f, x, table).to_json()
+        if spec == "whole" and unavailable("h100") is None:
+            out["h100"] = runbook.diagnose(f, x, table, target="h100").to_json()
+            big = jax.ShapeDtypeStruct((2**22, 1024), jnp.float32, sharding=t)  # 16 GiB
+            out["h100-large"] = runbook.diagnose(lambda t: t * 2, big, target="h100").to_json()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_replicated_inputs_on_four_devices():
+    proc = subprocess.run(
+        [sys.executable, "-c", REPLICATED],
+        env=child_env(4),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (f,) = [f for f in out["whole"]["findings"] if f["case"] == "pmap-loop"]
+    assert f["bytes"] == 1024 * 8192 * 4
+    assert f["informational"]  # CPU devices: no memory limit to compare with
+    assert not [f for f in out["split"]["findings"] if f["case"] == "pmap-loop"]
+    if "h100" in out:  # a quarter of a GiB against 60 GiB: still information
+        (g,) = [f for f in out["h100"]["findings"] if f["case"] == "pmap-loop"]
+        assert g["informational"]
+        # 16 GiB on each device, against its 60 GiB: a finding, not information.
+        (h,) = [f for f in out["h100-large"]["findings"] if f["case"] == "pmap-loop"]
+        assert not h["informational"]
+        assert h["bytes"] == 2**22 * 1024 * 4
+
+
+def rnn_loss(w, h0, xs, remat=False):
+    body = lambda h, x: (jnp.tanh(h @ w + x), None)
+    if remat:
+        body = jax.checkpoint(body)
+    return jnp.sum(lax.scan(body, h0, xs)[0])
+
+
+def rnn_nested(w, h0, xs, segments=16):
+    body = jax.checkpoint(lambda h, x: (jnp.tanh(h @ w + x), None))
+    segment = jax.checkpoint(lambda h, xs: (lax.scan(body, h, xs)[0], None))
+    return jnp.sum(lax.scan(segment, h0, xs.reshape(segments, -1, *xs.shape[1:]))[0])
+
+
+RNN = (S((256, 256), f32), S((64, 256), f32), S((256, 64, 256), f32))
+
+
+def test_scan_residuals_with_and_without_checkpoint():
+    step = 256 * 64 * 256 * 4  # one (steps, batch, hidden) array
+    plain = runbook.diagnose(jax.grad(rnn_loss), *RNN)
+    (f,) = named(plain, "scan-residuals")
+    kinds = sorted(b.kind for b in f.evidence)
+    # The step's input h, its tanh and an intermediate of tanh's derivative, per step.
+    assert kinds == ["stacked carry", "stacked intermediate", "stacked intermediate"]
+    assert f.bytes == 3 * step
+    assert "Checkpoint the loop's body" in f.fix
+
+    remat = runbook.diagnose(jax.grad(lambda *a: rnn_loss(*a, remat=True)), *RNN)
+    (g,) = named(remat, "scan-residuals")
+    assert [b.kind for b in g.evidence] == ["stacked carry"]  # the intermediates are gone
+    assert g.bytes == step
+    assert g.fix.startswith("Nest checkpointed scans")
+
+    assert not named(runbook.diagnose(jax.grad(rnn_nested), *RNN), "scan-residuals")
+    assert not runbook.diagnose(rnn_loss, *RNN).findings  # no backward pass, nothing stored
+
+
+def per_example(row):
+    a = row.reshape(-1, 256)
+    return jnp.sum(jnp.tanh(a @ a.T))
+
+
+def test_vmap_whole_batch_temporaries():
+    xs = S((32, 512 * 256), f32)
+    d = runbook.diagnose(lambda xs: jnp.sum(jax.vmap(per_example)(xs)), xs)
+    (f,) = named(d, "vmap-materialize")
+    assert f.bytes == 32 * 512 * 512 * 4  # every example's product at once
+    chunked = runbook.diagnose(lambda xs: jnp.sum(lax.map(per_example, xs, batch_size=2)), xs)
+    assert not chunked.findings
+
+
+def adam_like(params, m, v, grads):
+    m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m, grads)
+    v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, v, grads)
+    params = jax.tree.map(lambda p, m, v: p - 1e-3 * m / (jnp.sqrt(v) + 1e-8), params, m, v)
+    return params, m, v
+
+
+def test_donation_of_an_adam_like_update():
+    tree = {"w": S((2048, 2048), f32), "b": S((2048,), f32)}
+    state = 3 * (2048 * 2048 + 2048) * 4
+    d = runbook.diagnose(adam_like, tree, tree, tree, tree)
+    (f,) = named(d, "donation")
+    assert f.bytes == state
+    assert "donate_argnums=(0, 1, 2)" in f.fix
+    fixed = runbook.diagnose(jax.jit(adam_like, donate_argnums=(0, 1, 2)), tree, tree, tree, tree)
+    assert not fixed.findings
+    assert f.saving == d.report.total - fixed.report.total > 0
+    unmeasured = runbook.diagnose(adam_like, tree, tree, tree, tree, measure_fixes=False)
+    assert named(unmeasured, "donation")[0].saving is None
+
+
+TABLE = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+
+
+def test_closure_constant():
+    x = S((64, 1024), f32)
+    d = runbook.diagnose(lambda x: jnp.tanh(x @ jnp.asarray(TABLE)), x)
+    (f,) = named(d, "closure-constant")
+    assert f.bytes == TABLE.nbytes
+    assert f.evidence[0].kind == "constant"
+    assert f.evidence[0].source  # where the constant is used
+    passed = runbook.diagnose(lambda x, t: jnp.tanh(x @ t), x, S(TABLE.shape, f32))
+    assert not passed.findings
+
+
+def lora_loss(params, x):
+    frozen = lax.stop_gradient(params["frozen"])
+    h = jnp.tanh(x @ frozen)
+    return jnp.mean((h @ params["a"] @ params["b"]) ** 2)
+
+
+LORA = {"frozen": S((2048, 2048), f32), "a": S((2048, 8), f32), "b": S((8, 2048), f32)}
+TOKENS = S((64, 2048), f32)
+
+
+def lora_trainable(params, x):
+    trainable = {"a": params["a"], "b": params["b"]}
+    return jax.grad(lambda t: lora_loss({"frozen": params["frozen"], **t}, x))(trainable)
+
+
+def test_frozen_parameters_zero_gradient():
+    d = runbook.diagnose(jax.grad(lora_loss), LORA, TOKENS)
+    (f,) = named(d, "frozen-params")
+    assert f.bytes == 2048 * 2048 * 4  # the zero gradient of the frozen matrix
+    assert not runbook.diagnose(lora_trainable, LORA, TOKENS).findings
+
+
+ADAM = optax.adam(1e-3)
+
+
+def lora_step_all(params, opt_state, x):
+    grads = jax.grad(lora_loss)(params, x)
+    updates, opt_state = ADAM.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def lora_step_trainable(params, opt_state, x):
+    grads = lora_trainable(params, x)
+    trainable = {"a": params["a"], "b": params["b"]}
+    updates, opt_state = ADAM.update(grads, opt_state, trainable)
+    return {"frozen": params["frozen"], **optax.apply_updates(trainable, updates)}, opt_state
+
+
+def test_frozen_parameters_in_a_training_step():
+    state = jax.eval_shape(ADAM.init, LORA)
+    step = jax.jit(lora_step_all, donate_argnums=(0, 1))
+    d = runbook.diagnose(step, LORA, state, TOKENS)
+    (f,) = named(d, "frozen-params")
+    # The frozen matrix and its two moments, updated with no gradient at all.
+    assert f.bytes == 3 * 2048 * 2048 * 4
+    assert "with no gradient" in f.detail
+    trainable_state = jax.eval_shape(ADAM.init, {"a": LORA["a"], "b": LORA["b"]})
+    fixed = jax.jit(lora_step_trainable, donate_argnums=(0, 1))
+    assert not runbook.diagnose(fixed, LORA, trainable_state, TOKENS).findings
+
+
+def lm_loss(w, h, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(h @ w, labels).mean()
+
+
+def lm_loss_chunked(w, h, labels, chunks=16):
+    @jax.checkpoint
+    def chunk(total, xs):
+        h, labels = xs
+        return total + optax.softmax_cross_entropy_with_integer_labels(h @ w, labels).sum(), None
+
+    pieces = (h.reshape(chunks, -1, h.shape[-1]), labels.reshape(chunks, -1))
+    return lax.scan(chunk, jnp.zeros((), f32), pieces)[0] / labels.size
+
+
+LM = (S((512, 32000), f32), S((4096, 512), f32), S((4096,), jnp.int32))
+
+
+def test_vocab_logits():
+    d = runbook.diagnose(jax.value_and_grad(lm_loss), *LM)
+    (f,) = named(d, "vocab-logits")
+    logits = 4096 * 32000 * 4
+    assert f.bytes >= 2 * logits  # the logits and their exponential at least
+    assert all(b.shape == "f32[4096,32000]" for b in f.evidence)
+    assert not runbook.diagnose(jax.value_and_grad(lm_loss_chunked), *LM).findings
+
+
+def test_every_finding_names_a_case_or_a_pending_one():
+    """Cases not yet registered are tolerated; a registered one must have its link and code."""
+    programs = [
+        (jax.grad(gather_loss), (S((256, 256), f32), S((2**22, 2), jnp.int16))),
+        (loop_of_products, (S((16, 1024 * 128), f32),)),
+        (jax.grad(rnn_loss), RNN),
+        (lambda xs: jnp.sum(jax.vmap(per_example)(xs)), (S((32, 512 * 256), f32),)),
+        (adam_like, ({"w": S((2048, 2048), f32)},) * 4),
+        (lambda x: x @ jnp.asarray(TABLE), (S((64, 1024), f32),)),
+        (jax.grad(lora_loss), (LORA, TOKENS)),
+        (jax.value_and_grad(lm_loss), LM),
+    ]
+    seen = set()
+    for fn, args in programs:
+        for f in runbook.diagnose(fn, *args, measure_fixes=False).findings:
+            seen.add(f.case)
+            if f.case in runbook.case_names():
+                assert f.link == f"cases/{f.case}.html#fix"
+                assert f.link in f.fix
+                assert f.copy is None or f.copy in f.fix
+            else:
+                assert f.case in PENDING, f.case
+                assert f.link is None
+    assert seen == PENDING | {"gather-grad", "pmap-loop"}
+    assert len(DETECTORS) == 9
+
+
+def test_detector_table_states_each_rule():
+    table = runbook.site.detector_table()
+    assert len(table.rows) == len(DETECTORS)
+    modules = [sys.modules[d.__module__] for d in DETECTORS]
+    for row, module in zip(table.rows, modules, strict=True):
+        assert row[0] == module.PATTERN
+        assert row[1].split(" ")[0] == module.CASE
+        assert f"{module.MIN_SHARE:.0%}" in row[2]  # the threshold, from the module itself
+
+
+def test_findings_do_not_depend_on_the_function_name():
+    x, idx = S((256, 256), f32), S((2**22, 2), jnp.int32)
+    renamed = jax.grad(lambda a, b: gather_loss(a, b))
+    first = runbook.diagnose(jax.grad(gather_loss), x, idx)
+    second = runbook.diagnose(renamed, x, idx, name="something_else")
+    assert [(f.case, f.bytes) for f in first.findings] == [
+        (f.case, f.bytes) for f in second.findings
+    ]
+
+
+# --- renderings and the fit against a target ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gather_diagnosis():
+    return runbook.diagnose(jax.grad(gather_loss), S((256, 256), f32), S((2**22, 2), jnp.int16))
+
+
+def test_terminal_rendering(gather_diagnosis):
+    text = str(gather_diagnosis)
+    assert "index copy for a gather/scatter [gather-grad]" in text
+    assert "cases/gather-grad.html#fix" in text
+    assert "runbook.cases.gather_grad.loss_chunked" in text
+    assert gather_diagnosis.report.provenance.label() in text
+
+
+def test_html_rendering(gather_diagnosis):
+    page = gather_diagnosis._repr_html_()
+    assert page.count("<tr>") == 1 + len(gather_diagnosis.findings)
+    assert '<a href="cases/gather-grad.html#fix">' in page
+
+
+def test_json(gather_diagnosis):
+    data = json.loads(json.dumps(gather_diagnosis.to_json()))
+    assert data["cases"] == ["gather-grad"]
+    assert data["bytes"]["total"] == gather_diagnosis.report.total
+    (f,) = data["findings"]
+    assert set(f) >= {"pattern", "case", "bytes", "evidence", "fix"}
+    assert {"size", "shape", "kind", "instruction", "op", "source"} <= set(f["evidence"][0])
+    assert data["target"] is None
+
+
+def test_record_round_trip(gather_diagnosis):
+    again = runbook.Diagnosis.from_record(json.loads(json.dumps(gather_diagnosis.to_record())))
+    assert again.findings == gather_diagnosis.findings
+    assert again.report.total == gather_diagnosis.report.total
+
+
+@pytest.mark.skipif(unavailable("h100") is not None, reason="no GPU compiler installed")
+def test_fit_against_a_target():
+    small = runbook.diagnose(adam_like, *({"w": S((1024, 1024), f32)},) * 4, target="h100")
+    usable = runbook.get_target("h100").usable()
+    assert small.fits
+    assert small.margin == usable - small.report.total
+    assert "Fits one NVIDIA H100" in str(small)
+    big = runbook.diagnose(lambda a: a * 2, S((2**34,), f32), target="h100")  # 64 GiB in, 64 out
+    assert big.fits is False
+    assert big.margin == usable - big.report.total < 0
+    assert "Does not fit" in str(big)
+    assert big.to_json()["target"]["fits"] is False
+
+
+# --- the command line -------------------------------------------------------------------------
+
+USER_FILE = """
+import jax, jax.numpy as jnp
+
+def step(state, grad):
+    return state - 0.1 * grad
+
+def make_args():
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    return x, x
+
+def branchy(x):
+    if x.sum() > 0:
+        return x
+    return -x
+
+def one_vector():
+    return jax.ShapeDtypeStruct((4,), jnp.float32)
+"""
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_cli_json(user_file, capsys):
+    assert (
+        main(["diagnose", f"{user_file}:step", "--args", f"{user_file}:make_args", "--json"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["cases"] == ["donation"]
+    assert data["findings"][0]["bytes"] == 1024 * 1024 * 4
+    assert data["findings"][0]["saving"] > 0
+
+
+def test_cli_text(user_file, capsys):
+    assert main(["diagnose", f"{user_file}:step", "--args", f"{user_file}:make_args"]) == 0
+    out = capsys.readouterr().out
+    assert "state outputs not donated [donation]" in out
+    assert "donate_argnums=(0,)" in out
+
+
+@pytest.mark.parametrize(
+    ("which", "expected"),
+    [
+        ("missing-file", "no such file"),
+        ("missing-function", "has no function named 'nope'"),
+        ("untraceable", "could not trace `branchy`"),
+        ("no-colon", "expected path/to/file.py:function"),
+        ("bad-target", "unknown target 'nope'"),
+    ],
+)
+def test_cli_bad_spec_is_one_line_and_exit_2(user_file, which, expected):
+    argv = {
+        "missing-file": [f"{user_file.parent / 'nope.py'}:step"],
+        "missing-function": [f"{user_file}:nope", "--args", f"{user_file}:make_args"],
+        "untraceable": [f"{user_file}:branchy", "--args", f"{user_file}:one_vector"],
+        "no-colon": [str(user_file)],
+        "bad-target": [f"{user_file}:step", "--args", f"{user_file}:make_args", "--target", "nope"],
+    }[which]
+    proc = subprocess.run(
+        [sys.executable, "-m", "runbook", "diagnose", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("runbook: error:")
+    assert expected in lines[0]
