@@ -59,34 +59,46 @@ class _Instruction:
     calls: str = ""
 
 
-def _parse_hlo(text: str) -> tuple[dict[str, _Instruction], dict[str, str]]:
-    """Instructions by name (with op name and source line) and each computation's root."""
+_TABLES = {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}
+
+
+def source_frames(text: str) -> dict[str, str]:
+    """Stack frame ids of an optimised HLO module, each as ``"file.py:LINE (function)"``.
+
+    The module's text ends with tables (file names, function names, locations, frames) that
+    instructions point into with ``stack_frame_id``.
+    """
     files: dict[str, str] = {}
     functions: dict[str, str] = {}
     locations: dict[str, str] = {}
     frames: dict[str, str] = {}
     table = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped in _TABLES:
+            table = stripped
+        elif not (table and re.match(r"^\d+ ", stripped)):
+            table = ""
+        elif table == "FileNames" and (f := _FILE_NAME.match(stripped)):
+            files[f[1]] = f[2]
+        elif table == "FunctionNames" and (f := _FILE_NAME.match(stripped)):
+            functions[f[1]] = f[2]
+        elif table == "FileLocations" and (f := _FILE_LOC.match(stripped)):
+            path = _short_path(files.get(f[2], "?"))
+            locations[f[1]] = f"{path}:{f[4]} ({functions.get(f[3], '?')})"
+        elif table == "StackFrames" and (f := _FRAME.match(stripped)):
+            frames[f[1]] = locations.get(f[2], "")
+    return frames
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, _Instruction], dict[str, str]]:
+    """Instructions by name (with op name and source line) and each computation's root."""
+    frames = source_frames(text)
     instructions: dict[str, _Instruction] = {}
     roots: dict[str, str] = {}
     computation = ""
     for line in text.splitlines():
         stripped = line.strip()
-        if stripped in {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}:
-            table = stripped
-            continue
-        if table and (m := re.match(r"^\d+ ", stripped)) is not None:
-            if table == "FileNames" and (f := _FILE_NAME.match(stripped)):
-                files[f[1]] = f[2]
-            elif table == "FunctionNames" and (f := _FILE_NAME.match(stripped)):
-                functions[f[1]] = f[2]
-            elif table == "FileLocations" and (f := _FILE_LOC.match(stripped)):
-                locations[f[1]] = (
-                    f"{_short_path(files.get(f[2], '?'))}:{f[4]} ({functions.get(f[3], '?')})"
-                )
-            elif table == "StackFrames" and (f := _FRAME.match(stripped)):
-                frames[f[1]] = locations.get(f[2], "")
-            continue
-        table = ""
         if (c := _COMPUTATION.match(line)) is not None and "=" not in line.split("{")[0]:
             computation = c[1]
             continue

@@ -15,7 +15,7 @@ import pathlib
 import re
 from collections.abc import Iterator
 
-from ._buffers import _FILE_LOC, _FILE_NAME, _FRAME, _short_path
+from ._buffers import _short_path, source_frames
 
 _ITEMSIZE = {
     "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2,
@@ -219,11 +219,7 @@ class Module:
 
 def parse_module(text: str) -> Module:
     """Parse the text XLA prints for an optimised module (``compiled.as_text()`` or a dump)."""
-    files: dict[str, str] = {}
-    functions: dict[str, str] = {}
-    locations: dict[str, str] = {}
-    frames: dict[str, str] = {}
-    table = ""
+    frames = source_frames(text)
     computations: dict[str, list[Instruction]] = {}
     entry = name = computation = ""
     aliases: dict[tuple[int, ...], int] = {}
@@ -236,22 +232,6 @@ def parse_module(text: str) -> Module:
                     key = tuple(int(x) for x in out.split(",") if x.strip())
                     aliases[key] = int(param)
             continue
-        if stripped in {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}:
-            table = stripped
-            continue
-        if table and re.match(r"^\d+ ", stripped):
-            if table == "FileNames" and (f := _FILE_NAME.match(stripped)):
-                files[f[1]] = f[2]
-            elif table == "FunctionNames" and (f := _FILE_NAME.match(stripped)):
-                functions[f[1]] = f[2]
-            elif table == "FileLocations" and (f := _FILE_LOC.match(stripped)):
-                locations[f[1]] = (
-                    f"{_short_path(files.get(f[2], '?'))}:{f[4]} ({functions.get(f[3], '?')})"
-                )
-            elif table == "StackFrames" and (f := _FRAME.match(stripped)):
-                frames[f[1]] = locations.get(f[2], "")
-            continue
-        table = ""
         if (c := _COMPUTATION.match(line)) is not None and " = " not in line.split("(")[0]:
             computation = c[2]
             computations[computation] = []
