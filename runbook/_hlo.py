@@ -15,7 +15,7 @@ import pathlib
 import re
 from collections.abc import Iterator
 
-from ._buffers import _short_path, source_frames
+from ._buffers import _allocation_kind, _short_path, source_frames
 
 _ITEMSIZE = {
     "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2,
@@ -306,25 +306,13 @@ class Value:
         return self.allocation, self.offset, self.size
 
 
-def _kind(header: str) -> str:
-    if "parameter" in header:
-        return "argument"
-    if "output" in header or "live-out" in header:
-        return "output"
-    if "constant" in header:
-        return "constant"
-    if "thread-local" in header:
-        return "thread-local"
-    return "temp"
-
-
 def parse_assignment(text: str) -> list[Value]:
     """Every value of a dumped buffer assignment, in the order XLA lists them."""
     values: list[Value] = []
     kind, alloc = "temp", -1
     for line in text.splitlines():
         if (a := _ALLOC.match(line)) is not None:
-            kind, alloc = _kind(a[3]), int(a[1])
+            kind, alloc = _allocation_kind(a[3]), int(a[1])
         elif (v := _VALUE.match(line)) is not None:
             name, _, index = v[1].partition("{")
             values.append(
