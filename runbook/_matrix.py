@@ -23,7 +23,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import __version__, _subprocess
@@ -308,6 +308,24 @@ def run_matrix(
     }  # fmt: skip
 
 
+def merge(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`old` release file with the cases `new` measured replaced or added (the same release);
+    provenance and time are `new`'s, the elapsed seconds add up."""
+    if old["jax"] != new["jax"]:
+        raise RunbookError(f"cannot merge jax {new['jax']}'s cases into jax {old['jax']}'s file")
+    merged = {**new, "cases": {**old["cases"], **new["cases"]}}
+    merged["elapsed_seconds"] = round(old["elapsed_seconds"] + new["elapsed_seconds"], 1)
+    targets = {}
+    for name in {*old.get("targets", {}), *new.get("targets", {})}:
+        before, after = old.get("targets", {}).get(name), new.get("targets", {}).get(name)
+        if after is None or before is None or after["status"] != "ok" or before["status"] != "ok":
+            targets[name] = after or before
+        else:
+            targets[name] = {**after, "cases": {**before.get("cases", {}), **after["cases"]}}
+    merged["targets"] = targets
+    return merged
+
+
 def write_json(data: dict[str, Any], path: str | os.PathLike[str]) -> pathlib.Path:
     """Write `data` as indented JSON (parent folders made); return the path."""
     out = pathlib.Path(path)
@@ -321,7 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--scale", default="seed")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds per program")
-    parser.add_argument("--case", action="append", help="only this case (repeatable)")
+    parser.add_argument(
+        "--case", action="append",
+        help="only this case (repeatable); an existing --out file keeps its other cases",
+    )  # fmt: skip
     parser.add_argument(
         "--target", action="append", help=f"compile for this target too (default: {TARGETS})"
     )
@@ -335,7 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunbookError as e:
         print(f"runbook: error: {e}", file=sys.stderr)
         return 2
-    print(write_json(data, args.out))
+    out = pathlib.Path(args.out)
+    if args.case and out.exists():
+        data = merge(json.loads(out.read_text()), data)
+    print(write_json(data, out))
     return 0
 
 

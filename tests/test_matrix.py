@@ -213,3 +213,16 @@ def test_statement_absent(tmp_path):
 def test_no_files_is_a_clear_error(tmp_path):
     with pytest.raises(RunbookError, match="nox -s versions"):
         load_versions(tmp_path)
+
+
+def test_merging_a_cases_run_into_a_release_file_keeps_the_others():
+    old = {"jax": "1", "elapsed_seconds": 10.0, "cases": {"a": 1, "b": 2},
+           "targets": {"h100": {"status": "ok", "cases": {"a": 1, "b": 2}}}}  # fmt: skip
+    new = {"jax": "1", "elapsed_seconds": 5.0, "cases": {"b": 3, "c": 4},
+           "targets": {"h100": {"status": "ok", "cases": {"b": 3, "c": 4}}}}  # fmt: skip
+    merged = _matrix.merge(old, new)
+    assert merged["cases"] == {"a": 1, "b": 3, "c": 4}
+    assert merged["targets"]["h100"]["cases"] == {"a": 1, "b": 3, "c": 4}
+    assert merged["elapsed_seconds"] == 15.0
+    with pytest.raises(RunbookError, match="cannot merge"):
+        _matrix.merge(old, {**new, "jax": "2"})
