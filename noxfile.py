@@ -93,10 +93,16 @@ def versions(session: nox.Session, release: str) -> None:
         session.install(f"jax-cuda12-plugin=={release}", "nvidia-cuda-nvcc-cu12>=12.6.85")
     except nox.command.CommandFailed:
         session.log(f"no jax-cuda12-plugin {release}: its GPU targets are recorded as such")
-    out = ROOT / "docs" / "_data" / "versions" / f"{release}.json"
-    session.run(
-        "python", "-m", "runbook._matrix", "--out", str(out), *session.posargs, env=CPU_ONLY
+    # jaxlib 0.4.35 finds ptxas only in a regular `nvidia.cuda_nvcc` package, which the
+    # current wheel is not (a namespace package); CUDA_ROOT is the path jaxlib checks first.
+    env = dict(CPU_ONLY)
+    nvcc = sorted(
+        Path(session.virtualenv.location).glob("lib/python*/site-packages/nvidia/cuda_nvcc")
     )
+    if nvcc:
+        env["CUDA_ROOT"] = str(nvcc[0])
+    out = ROOT / "docs" / "_data" / "versions" / f"{release}.json"
+    session.run("python", "-m", "runbook._matrix", "--out", str(out), *session.posargs, env=env)
 
 
 @nox.session(default=False)

@@ -6,6 +6,7 @@ target's own XLA compiler (see `runbook.targets()`); nothing ran on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -263,8 +264,12 @@ def buffer_contrast(
     wheres = [None, *(n for n in names if unavailable(n) is None)]
     rows = []
     for where in wheres:
-        result = measure_case(
-            case, scale, target=where, variants=[variant], at=params, buffers=True
+        # Every variant at the point, as `on_targets` measured it: read from the cache.
+        whole = measure_case(case, scale, target=where, at=params, buffers=True)
+        result = dataclasses.replace(
+            whole,
+            reports=tuple(r for r in whole.reports if r.name == variant),
+            skipped=tuple(s for s in whole.skipped if s["name"] == variant),
         )
         label = where or CPU
         if not result.reports:
