@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._targets import OWN_ENV
+
 PACKAGE = pathlib.Path(__file__).resolve().parent
 ENV_VAR = "RUNBOOK_CACHE_DIR"
 _ENV_PREFIXES = ("XLA_", "JAX_", "TPU_", "CUDA_VISIBLE_DEVICES")
@@ -76,7 +78,11 @@ def _machine() -> str:
 
 def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
     """The key of `request` (JSON-able), with the sources and environment it depends on."""
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+    env = {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(_ENV_PREFIXES) and OWN_ENV.get(k) != v
+    }
     env.pop(ENV_VAR, None)
     payload = {
         "request": request,

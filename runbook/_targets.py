@@ -271,6 +271,9 @@ def require(name: str | Target) -> Target:
 # libtpu from asking a cloud metadata server about a TPU that is not there.
 _TPU_SHARED = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 _TPU_QUIET = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+# What this module sets in os.environ: the cache leaves these out of its keys, or every lookup
+# after the first TPU compile of a process would miss.
+OWN_ENV = {**_TPU_SHARED, **_TPU_QUIET}
 
 
 def _ensure_cuda_plugin() -> None:
@@ -315,7 +318,7 @@ def _devices(name: str, count: int) -> tuple[Any, ...]:
         )
     else:
         assert target.tpu is not None
-        for key, value in {**_TPU_SHARED, **_TPU_QUIET}.items():
+        for key, value in OWN_ENV.items():
             os.environ.setdefault(key, value)
         generation, shapes = target.tpu
         fitting = [n for n in shapes if n >= count]

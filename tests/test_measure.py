@@ -123,3 +123,16 @@ def test_shape_error_is_reported_without_a_misleading_hint():
     ) as info:
         runbook.measure(lambda a: a @ jnp.ones((3, 3)), jax.ShapeDtypeStruct((4, 4), jnp.float32))
     assert "control flow" not in str(info.value)
+
+
+def test_cache_key_ignores_what_the_package_sets_but_not_what_the_user_sets(monkeypatch):
+    from runbook import _cache, _targets
+
+    for name in _targets.OWN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    before = _cache.key({"case": "x"})
+    for name, value in _targets.OWN_ENV.items():  # what compiling for a TPU target sets
+        monkeypatch.setenv(name, value)
+    assert _cache.key({"case": "x"}) == before
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
+    assert _cache.key({"case": "x"}) != before
