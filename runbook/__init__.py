@@ -20,6 +20,7 @@ from ._provenance import Provenance
 from ._render import (
     Table,
     buffer_table,
+    figures_table,
     fmt_bytes,
     peak_table,
     plot_reports,
@@ -52,6 +53,7 @@ __all__ = [
     "case_names",
     "compile_fn",
     "diagnose",
+    "figures_table",
     "fmt_bytes",
     "get_case",
     "get_target",

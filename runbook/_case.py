@@ -56,6 +56,10 @@ class Case:
             same-result check compares (default: all of it), for variants whose results
             differ in structure, not in value (e.g. one returns zero gradients for frozen
             weights that another never computes).
+        figures: optional ``figures(variant, scale, params)``: figures the compiler's
+            analysis cannot give (e.g. a real run's host resident set), by name, in bytes;
+            called for this process's backend only (never for a target), stored in each
+            report's ``figures``.
     """
 
     name: str
@@ -74,6 +78,7 @@ class Case:
     recommended: str | None = None
     shard: Callable[[Mapping[str, Any], Params, Any], tuple[Any, ...]] | None = None
     compare: Callable[[Any], Any] | None = None
+    figures: Callable[[Variant, Mapping[str, Any], Params], Mapping[str, int]] | None = None
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:
@@ -213,6 +218,7 @@ class CaseResult:
                     params=v["params"],
                     floor=None if v["lower_bound"] == default_floor else v["lower_bound"],
                     compile_seconds=v.get("compile_seconds", 0.0),
+                    figures=dict(v.get("figures", {})),
                     buffers=tuple(Buffer(**x) for x in (buffers or {}).get(str(i), ())),
                 )
             )
@@ -330,10 +336,29 @@ def _measure_variants(
             report = MemoryReport.from_record(got["report"])
             floor = case.floor(variant, size, params) if case.floor else None
             report = dataclasses.replace(report, role=variant.role, params=params, floor=floor)
+            if case.figures is not None and target is None and compiler_options is None:
+                report = dataclasses.replace(
+                    report, figures=_figures(case, scale, variant, size, params)
+                )
             reports.append(report)
             if progress:
                 progress(f"{case.name} {variant.name} {params}: {report.total:,} bytes")
     return reports, skipped
+
+
+def _figures(
+    case: Case, scale: str, variant: Variant, size: Mapping[str, Any], params: Params
+) -> dict[str, int]:
+    """`case.figures` for one program, cached apart from its compile-time report."""
+    assert case.figures is not None
+    request = {"kind": "case-figures", "case": case.name, "scale": scale,
+               "name": variant.name, "params": dict(params)}  # fmt: skip
+    got = _cache.cached(
+        request,
+        lambda: {k: int(v) for k, v in case.figures(variant, size, params).items()},  # type: ignore[misc]
+        module=_CASES[case.name],
+    )
+    return dict(got)
 
 
 def _measure_one(

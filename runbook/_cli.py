@@ -12,7 +12,7 @@ from ._case import CaseResult, case_names, get_case, measure_case
 from ._diagnose import diagnose_spec
 from ._errors import RunbookError
 from ._quiet import start_backend
-from ._render import fmt_bytes, report_table
+from ._render import figures_table, fmt_bytes, report_table
 from ._targets import get_target, target_names, targets, unavailable
 
 
@@ -104,6 +104,10 @@ def _print_targets() -> None:
 def _print_result(result: CaseResult, scale: str) -> None:
     if result.reports:
         print(report_table(result.reports))
+    measured = [r for r in result.reports if r.figures]
+    if measured:
+        print("\nMeasured beyond the compiler's analysis (a real run on this machine):")
+        print(figures_table(measured))
     for entry in result.skipped:
         params = ", ".join(f"{k}={v}" for k, v in entry["params"].items())
         if entry["status"] == "does not fit":

@@ -26,6 +26,8 @@ class MemoryReport:
     ``total`` is argument + output + temp - alias: the bytes live at the program's peak.
     ``lower_bound`` is what must exist anyway (the arguments and the outputs; donated
     buffers that the output reuses counted once), unless a case supplies an analytic floor.
+    ``figures`` holds what a case measures beyond the compiler's figures, by name (e.g. a
+    real run's host resident set, in bytes); empty for most programs.
     """
 
     name: str
@@ -41,6 +43,7 @@ class MemoryReport:
     buffers: tuple[Buffer, ...] = ()
     caveats: tuple[str, ...] = ()
     allocations: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    figures: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -62,6 +65,7 @@ class MemoryReport:
         record = dataclasses.asdict(self)
         record["params"] = dict(self.params)
         record["allocations"] = dict(self.allocations)
+        record["figures"] = dict(self.figures)
         return record
 
     @classmethod
@@ -72,6 +76,7 @@ class MemoryReport:
         fields["buffers"] = tuple(Buffer(**b) for b in fields.get("buffers", ()))
         fields["caveats"] = tuple(fields.get("caveats", ()))
         fields["allocations"] = dict(fields.get("allocations", {}))
+        fields["figures"] = dict(fields.get("figures", {}))
         return cls(**fields)
 
     def to_json(self) -> dict[str, Any]:
@@ -91,6 +96,7 @@ class MemoryReport:
             "overhead": round(self.overhead, 6),
             "compile_seconds": round(self.compile_seconds, 3),
             **({"caveats": list(self.caveats)} if self.caveats else {}),
+            **({"figures": dict(self.figures)} if self.figures else {}),
         }
 
 
