@@ -120,6 +120,7 @@ _CASES = {
     "scan-residuals": "runbook.cases.scan_residuals",
     "frozen-params": "runbook.cases.frozen_params",
     "vocab-logits": "runbook.cases.vocab_logits",
+    "closure-constant": "runbook.cases.closure_constant",
 }
 
 
