@@ -64,8 +64,13 @@ def make_lookup_captured(table: jax.Array):
     return jax.jit(lambda ids: lookup(table, ids))
 
 
-embed = jax.jit(lookup)
-"""The fix: the table passed as an argument (jax-ml/jax#10596): ``embed(table, ids)``."""
+def embed(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """The fix: the table is an argument of the jitted function (jax-ml/jax#10596).
+
+    Use it as ``jax.jit(embed)(table, ids)``: the table is an input buffer, read where it
+    lives; the program holds no copy of it, and a new table needs no new compilation.
+    """
+    return lookup(table, ids)
 
 
 _lock = threading.Lock()
@@ -201,7 +206,7 @@ CASE = Case(
             "embed",
             "fix",
             "recommended: the table passed as an argument (jax-ml/jax#10596)",
-            lambda p: embed,
+            lambda p: jax.jit(embed),
             args=_table_and_ids,
         ),
     ),
@@ -385,7 +390,8 @@ def claims(result: CaseResult | None = None, *, scale: str = "seed") -> list[Cla
             verdict(held >= 0.5 * table_bytes and r["rss_deleted"] < r["rss_cached"] - 0.5 * held),
             f"after the run, with the function alive: {fmt_bytes(held)} resident beyond the "
             f"inputs ({held / table_bytes:.1f}x the table); after clear_caches() and deleting "
-            f"the function: {fmt_bytes(r['rss_deleted'] - r['rss_inputs'])}. As an argument: "
+            f"the function: {fmt_bytes(r['rss_deleted'])} resident, the inputs "
+            f"{fmt_bytes(r['rss_inputs'])}. As an argument: "
             f"{fmt_bytes(e['rss_cached'] - e['rss_inputs'])} beyond the inputs.",
         ),
         Claim(
@@ -411,3 +417,99 @@ def claims(result: CaseResult | None = None, *, scale: str = "seed") -> list[Cla
         ),
     ]
     return out
+
+
+def lowered_constants(fn: Any, *args: Any, width: int = 72) -> Table:
+    """The constants in the program JAX lowers for `fn` (a jitted function): each one's
+    size in the StableHLO text and its opening characters."""
+    text = fn.lower(*args).as_text()
+    rows = []
+    for line in text.splitlines():
+        if "stablehlo.constant" not in line:
+            continue
+        body = line.strip()
+        shown = body if len(body) <= width else body[:width] + "…"
+        rows.append((len(line.encode()), shown))
+    return Table(
+        ["bytes of text", "the constant, as lowered"],
+        [[fmt_bytes(n), shown] for n, shown in sorted(rows, key=lambda r: -r[0])[:3]]
+        or [["-", "no constants"]],
+        f"From `{getattr(fn, '__name__', 'fn')}.lower(...).as_text()`: {fmt_bytes(len(text))} "
+        "in all.",
+    )
+
+
+def predict(result: CaseResult) -> Table:
+    """Two predictions of the reproduction's resident peak beside the measured one.
+
+    memory_analysis's: the table the user holds plus the program's total. Copies': the
+    table held by the user, its text in the lowered program (measured), the constant XLA
+    compiles into the executable (one table) and the rows returned.
+    """
+    s = sizes(CASE.scales[result.scale])
+    r = result.one("captured-random")
+    f = r.figures
+    predicted = {
+        "the table + memory_analysis's total": s["table"] + r.total,
+        "the table + its lowered text + its compiled constant + the rows": s["table"]
+        + f["lowered_text_bytes"]
+        + s["table"]
+        + s["rows"],
+    }
+    return Table(
+        ["prediction", "predicted", "measured peak (resident)", "measured / predicted"],
+        [[k, fmt_bytes(v), fmt_bytes(f[KEY_FIGURE]), f"{f[KEY_FIGURE] / v:.2f}"]
+         for k, v in predicted.items()],
+        f"captured-random, scale {result.scale!r}; the lowered text is measured, the rest is "
+        f"the table ({fmt_bytes(s['table'])}) and the rows ({fmt_bytes(s['rows'])}).",
+    )  # fmt: skip
+
+
+def constants_by_compiler(results: Mapping[str, CaseResult]) -> Table:
+    """Per compiler (`runbook.site.on_targets` results, measured with buffers): what
+    memory_analysis totals for each variant and the constants its buffer assignment holds."""
+    rows = []
+    for where, res in results.items():
+        row = [where]
+        for name in ("captured-random", "captured-zeros", RECOMMENDED):
+            found = res.select(name)
+            if not found:
+                row += ["-", "-"]
+                continue
+            row += [fmt_bytes(found[0].total), fmt_bytes(constant_bytes(found[0]))]
+        rows.append(row)
+    return Table(
+        ["compiled for", "captured-random: total", "its constants", "captured-zeros: total",
+         "its constants", f"{RECOMMENDED}: total", "its constants"],
+        rows,
+        "memory_analysis totals (arguments + temporaries + outputs) beside the constants each "
+        "compiler's buffer assignment holds, which no total includes. Targets: compiled here "
+        "by each target's compiler, without the device.",
+    )  # fmt: skip
+
+
+def host_chart(result: CaseResult, ax: Any = None):
+    """Per variant: memory_analysis's total beside the resident peak, the resident set with
+    the executable cached and after `jax.clear_caches()`; the floor as a line."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.8))
+    series = [
+        ("memory_analysis total", lambda r: r.total),
+        ("resident peak (compile + run)", lambda r: r.figures[KEY_FIGURE]),
+        ("resident, executable cached", lambda r: r.figures["rss_cached"]),
+        ("resident after clear_caches()", lambda r: r.figures["rss_cleared"]),
+    ]
+    reports = list(result.reports)
+    width = 0.8 / len(series)
+    for i, (label, get) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(reports))]
+        ax.bar(xs, [get(r) / 2**20 for r in reports], width, label=label)
+    floor = floor_bytes(CASE.scales[result.scale]) / 2**20
+    ax.axhline(floor, color="black", linewidth=1, linestyle="--", label="floor")
+    ax.set_xticks(range(len(reports)), [r.name for r in reports])
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title(f"{result.provenance.label()}, scale {result.scale!r}", fontsize=9)
+    return ax.figure
