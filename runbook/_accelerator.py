@@ -516,7 +516,19 @@ def case_table(
             labels.add(got.provenance.label())
             b = got.select(before.name)
             a = got.select(fix)
-            if b and a:
+            key = case.key_figure
+            if key and b and a and key in b[0].figures and key in a[0].figures:
+                x, y = b[0].figures[key], a[0].figures[key]
+                cells.append(
+                    f"<b>{fmt_bytes(x)} &rarr; {fmt_bytes(y)}</b><br>{x / y:.1f}x less "
+                    f"<small>({html.escape(key)}, a real run)</small>"
+                )
+            elif key and b and a:
+                cells.append(
+                    f"{fmt_bytes(b[0].total)} &rarr; {fmt_bytes(a[0].total)}<br><small>"
+                    "compile-time totals, which leave out what this case is about</small>"
+                )
+            elif b and a:
                 cells.append(
                     f"<b>{fmt_bytes(b[0].total)} &rarr; {fmt_bytes(a[0].total)}</b><br>"
                     f"{b[0].total / a[0].total:.1f}x less"

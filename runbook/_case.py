@@ -60,6 +60,8 @@ class Case:
             analysis cannot give (e.g. a real run's host resident set), by name, in bytes;
             called for this process's backend only (never for a target), stored in each
             report's ``figures``.
+        key_figure: the name, in ``figures``, of the figure that shows the problem where
+            the compiler's total does not (the landing table shows it for this machine).
     """
 
     name: str
@@ -79,6 +81,7 @@ class Case:
     shard: Callable[[Mapping[str, Any], Params, Any], tuple[Any, ...]] | None = None
     compare: Callable[[Any], Any] | None = None
     figures: Callable[[Variant, Mapping[str, Any], Params], Mapping[str, int]] | None = None
+    key_figure: str | None = None
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:
