@@ -1,0 +1,179 @@
+"""closure-constant: every verdict, the host figures, the fix's result, the issue's targets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import runbook
+from runbook._case import CaseResult
+from runbook._cli import main
+from runbook.cases import closure_constant
+from runbook.cases.closure_constant import CASE
+
+PEAK = closure_constant.KEY_FIGURE
+
+
+@pytest.fixture(scope="module")
+def seed():
+    start = time.perf_counter()
+    result = runbook.measure_case("closure-constant", "seed")
+    return result, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def verdicts(seed):
+    return {c.key: c.verdict for c in closure_constant.claims(seed[0])}
+
+
+EXPECTED = {
+    "closure-fine": "refuted",
+    "zeros-as-random": "refuted",
+    "cache-keeps": "confirmed",
+    "clear-caches": "confirmed",
+    "analysis-shows": "refuted",
+}
+
+
+@pytest.mark.parametrize(("key", "verdict"), EXPECTED.items())
+def test_verdict(verdicts, key, verdict):
+    assert verdicts[key] == verdict
+
+
+def test_every_claim_has_a_verdict(verdicts):
+    assert set(verdicts) == set(EXPECTED)
+
+
+def test_whole_case_measured_within_a_minute(seed):
+    result, seconds = seed
+    assert len(result.reports) == len(CASE.variants)
+    assert seconds < 60
+    for r in result.reports:
+        assert set(r.figures) == set(closure_constant.FIGURES)
+
+
+def test_memory_analysis_leaves_the_constant_out(seed):
+    result = seed[0]
+    table = closure_constant.sizes(CASE.scales["seed"])["table"]
+    captured, passed = result.one("captured-random"), result.one("embed")
+    assert captured.total < table < passed.total
+    assert passed.argument - captured.argument == table
+    report = runbook.measure(
+        CASE.variant("captured-random").program(CASE.grid(CASE.scales["tiny"])[0]),
+        *closure_constant._ids_only(CASE.scales["tiny"], {}, False),
+        buffers=True,
+    )
+    assert closure_constant.constant_bytes(report) == 64 * 16 * 4
+
+
+def test_lowered_text_holds_the_random_table_not_the_zeros(seed):
+    f = {r.name: r.figures for r in seed[0].reports}
+    table = closure_constant.sizes(CASE.scales["seed"])["table"]
+    assert f["captured-random"]["lowered_text_bytes"] >= 2 * table  # hexadecimal
+    assert f["captured-zeros"]["lowered_text_bytes"] < 2**20
+    assert f["embed"]["lowered_text_bytes"] < 2**20
+
+
+def test_recommended_fix_saves_and_sits_near_its_floor(seed):
+    f = {r.name: r.figures for r in seed[0].reports}
+    floor = closure_constant.floor_bytes(CASE.scales["seed"])
+    fix = f[closure_constant.RECOMMENDED][PEAK]
+    assert f["captured-random"][PEAK] / fix >= 1.5
+    assert fix / floor <= 1.25
+    assert seed[0].one(closure_constant.RECOMMENDED).overhead == pytest.approx(1.0)
+
+
+def test_fix_gives_the_same_lookup():
+    checks = runbook.verify("closure-constant", "tiny")
+    assert [c["name"] for c in checks] == ["embed"]
+    assert all(c["same"] for c in checks), checks
+
+
+def test_same_result_check_catches_a_wrong_lookup(monkeypatch):
+    wrong = dataclasses.replace(
+        CASE.variant("embed"),
+        name="wrong",
+        program=lambda p: jax.jit(lambda t, i: closure_constant.lookup(t, (i + 1) % t.shape[0])),
+    )
+    monkeypatch.setattr(
+        closure_constant, "CASE", dataclasses.replace(CASE, variants=(*CASE.variants, wrong))
+    )
+    checks = runbook.verify("closure-constant", "tiny")
+    assert {c["name"]: c["same"] for c in checks} == {"embed": True, "wrong": False}
+
+
+def test_host_figures_see_a_captured_table_at_a_small_scale():
+    small = CASE.scales["small"]
+    params = CASE.grid(small)[0]
+    table = closure_constant.sizes(small)["table"]
+    captured = closure_constant.host_figures(CASE.variant("captured-random"), small, params)
+    passed = closure_constant.host_figures(CASE.variant("embed"), small, params)
+    assert captured["lowered_text_bytes"] >= 2 * table
+    assert captured["rss_cached"] - captured["rss_inputs"] > table
+    assert passed["rss_cached"] - passed["rss_inputs"] < table / 2
+
+
+def test_control_flow_keeps_the_constant():
+    rows = closure_constant.control_flow("tiny")
+    table = rows[0]["table"]
+    assert [r["constants"] >= table for r in rows] == [True, True, True]
+    assert all(r["total"] < table + 2**20 for r in rows)
+
+
+def test_lowered_constants_names_the_splat():
+    zeros = closure_constant.make_lookup_captured(jnp.zeros((64, 16)))
+    ids = jax.ShapeDtypeStruct((8,), jnp.int32)
+    rows = closure_constant.lowered_constants(zeros, ids).rows
+    assert any("dense<0.000000e+00> : tensor<64x16xf32>" in r[1] for r in rows)
+
+
+def test_tables_and_chart_cover_every_variant_and_report(seed):
+    result = seed[0]
+    assert len(closure_constant.host_table(result).rows) == len(CASE.variants)
+    flow = [{"label": "x", "table": 1, "constants": 1, "lowered": 1, "total": 1}]
+    reports = closure_constant.reports_table(result, flow)
+    assert [row[0] for row in reports.rows] == list(closure_constant.REPORTS)
+    assert len(closure_constant.predict(result).rows) == 2
+    by = closure_constant.constants_by_compiler({"cpu": result})
+    assert by.rows[0][0] == "cpu"
+    fig = closure_constant.host_chart(result)
+    assert len(fig.axes[0].patches) == 4 * len(CASE.variants)
+
+
+def test_claims_need_host_figures(seed):
+    stripped = dataclasses.replace(
+        seed[0], reports=tuple(dataclasses.replace(r, figures={}) for r in seed[0].reports)
+    )
+    with pytest.raises(runbook.RunbookError, match="host figures"):
+        closure_constant.claims(stripped)
+
+
+def test_figures_round_trip_through_json(seed):
+    data = seed[0].to_json()
+    back = CaseResult.from_json(json.loads(json.dumps(data)))
+    assert [r.figures for r in back.reports] == [r.figures for r in seed[0].reports]
+    record = seed[0].reports[0].to_record()
+    assert runbook.MemoryReport.from_record(record).figures == seed[0].reports[0].figures
+
+
+def test_cli_json(capsys):
+    assert main(["run", "closure-constant", "--json", "--quiet"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["case"] == "closure-constant"
+    assert {v["role"] for v in data["variants"]} == {"baseline", "reproduction", "fix"}
+    for v in data["variants"]:
+        b = v["bytes"]
+        assert b["total"] == b["argument"] + b["output"] + b["temp"] - b["alias"]
+        assert set(v["figures"]) == set(closure_constant.FIGURES)
+
+
+def test_cli_text_prints_the_figures(capsys):
+    assert main(["run", "closure-constant", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "Measured beyond the compiler's analysis" in out
+    assert PEAK in out
