@@ -55,6 +55,7 @@ def detect(program: Program) -> list[Finding]:
             evidence,
             "Pass the array to the jitted function as an argument instead of closing over it, "
             "so that it is an input rather than a constant compiled into the program",
+            copy="runbook.cases.closure_constant.embed",
             detail=f"{len(chosen)} constant(s) of at least {fmt_bytes(MIN_BYTES)} are compiled "
             f"into the program: {fmt_bytes(nbytes)} beside its arguments (XLA's total, "
             "arguments + temporaries + outputs, leaves constants out).",
