@@ -98,7 +98,9 @@ def figures_table(reports: Sequence[MemoryReport], caption: str = "") -> Table:
     """The figures a case measures beyond the compiler's (`MemoryReport.figures`), one row
     per report, one column per figure; bytes, except names ending in ``_seconds``."""
     names = list(dict.fromkeys(k for r in reports for k in r.figures))
-    cell = lambda k, v: "-" if v is None else f"{v:.3f} s" if k.endswith("_seconds") else fmt_bytes(v)
+    cell = lambda k, v: (
+        "-" if v is None else f"{v:.3f} s" if k.endswith("_seconds") else fmt_bytes(v)
+    )
     rows = [[r.name, _params(r), *(cell(k, r.figures.get(k)) for k in names)] for r in reports]
     return Table(["variant", "params", *names], rows, caption)
 
