@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import runbook
+import runbook.site
 from runbook._case import CaseResult
 from runbook._cli import main
 from runbook.cases import closure_constant
@@ -177,3 +178,11 @@ def test_cli_text_prints_the_figures(capsys):
     out = capsys.readouterr().out
     assert "Measured beyond the compiler's analysis" in out
     assert PEAK in out
+
+
+def test_landing_table_shows_the_real_run_here_and_says_what_targets_leave_out(seed):
+    html = str(runbook.site.case_table(["closure-constant"], compare=["h100"]))
+    f = {r.name: r.figures[PEAK] for r in seed[0].reports}
+    assert f"{f['captured-random'] / f['embed']:.1f}x less" in html
+    assert f"({PEAK}, a real run)" in html
+    assert "compile-time totals, which leave out" in html
