@@ -186,3 +186,12 @@ def test_landing_table_shows_the_real_run_here_and_says_what_targets_leave_out(s
     assert f"{f['captured-random'] / f['embed']:.1f}x less" in html
     assert f"({PEAK}, a real run)" in html
     assert "compile-time totals, which leave out" in html
+
+
+def test_compilers_note_counts_where_the_total_misses_the_table(seed):
+    result = seed[0]
+    with_buffers = runbook.measure_case("closure-constant", "seed", buffers=True)
+    note = closure_constant.compilers_note({"cpu": with_buffers})
+    assert "on 1 of 1 compilers (cpu)" in note
+    assert "every compiler folds them away" in note
+    assert "on 0 of 1" in closure_constant.compilers_note({"cpu": result})  # no buffers read

@@ -24,6 +24,7 @@ from jax import lax
 from .. import _subprocess
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
+from .._history import Note
 from .._measure import MemoryReport, measure
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
@@ -528,3 +529,30 @@ def host_chart(result: CaseResult, ax: Any = None):
     ax.legend(fontsize=8, loc="upper right")
     ax.set_title(f"{result.provenance.label()}, scale {result.scale!r}", fontsize=9)
     return ax.figure
+
+
+def compilers_note(results: Mapping[str, CaseResult]) -> Note:
+    """What `constants_by_compiler` shows, in two sentences computed from it: where
+    memory_analysis's total leaves the captured table out, and where zeros cost more."""
+    table_bytes = sizes(CASE.scales[next(iter(results.values())).scale])["table"]
+    missed, zeros_cost = [], []
+    for where, res in results.items():
+        random, zeros = res.select("captured-random"), res.select("captured-zeros")
+        if random and random[0].total < table_bytes <= constant_bytes(random[0]):
+            missed.append(where)
+        if random and zeros and zeros[0].total >= random[0].total + table_bytes:
+            zeros_cost.append(f"{where} ({fmt_bytes(zeros[0].total)})")
+    text = (
+        f"memory_analysis leaves the captured random table out of its total on {len(missed)} "
+        f"of {len(results)} compilers ({', '.join(missed) or 'none'}): each holds it as a "
+        "constant of its own. "
+    )
+    text += (
+        "With zeros captured, "
+        + ", ".join(zeros_cost)
+        + " materialise the zeros as a table-sized array the total does count; the others "
+        "fold them away."
+        if zeros_cost
+        else "With zeros captured, every compiler folds them away."
+    )
+    return Note(text)
