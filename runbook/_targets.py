@@ -318,7 +318,7 @@ def _devices(name: str, count: int) -> tuple[Any, ...]:
         )
     else:
         assert target.tpu is not None
-        for key, value in OWN_ENV.items():
+        for key, value in {**_TPU_SHARED, **_TPU_QUIET}.items():
             os.environ.setdefault(key, value)
         generation, shapes = target.tpu
         fitting = [n for n in shapes if n >= count]
