@@ -27,7 +27,7 @@ from .._claims import Claim, verdict
 from .._errors import DoesNotFitError
 from .._measure import MemoryReport, measure
 from .._render import Table, fmt_bytes
-from .._runtime import RuntimePeak, runtime_peak
+from .._runtime import runtime_peak
 
 # What the reports say, quoted; ours is measured beside it.
 REPORTS = {
@@ -146,7 +146,7 @@ CASE = Case(
         Variant(
             "rewrite", "fix", "x.sum() - x[idx] + 7: no copy of x", lambda p: set_and_sum_rewrite
         ),
-    ),  # fmt: skip
+    ),
     args=_inputs,
     grid=lambda scale: [{}],
     floor=_floor,
@@ -437,8 +437,10 @@ def reports_table(result: CaseResult, pairwise: list[dict[str, Any]]) -> Table:
     )
     s = PAIRWISE["seed"]
     ours = [
-        f"n={n:,}: {fmt_bytes(repro.total)} ({repro.total / 1e9:.1f} GB), of which "
-        f"{fmt_bytes(repro.temp)} temporaries: {repro.temp / (4 * n):,.0f} copies of x",
+        (
+            f"n={n:,}: {fmt_bytes(repro.total)} ({repro.total / 1e9:.1f} GB), of which "
+            f"{fmt_bytes(repro.temp)} temporaries: {repro.temp / (4 * n):,.0f} copies of x"
+        ),
         f"n={s['n']:,}, d={s['d']}, {s['masks']} masks, float32: largest buffer {got}",
     ]
     return Table(
@@ -515,7 +517,7 @@ def claims(
                 "(n, n, d) array (jax-ml/jax#21377).",
                 "not reproducible here",
                 first["skipped"],
-            )  # fmt: skip
+            )
         )
     one = loop_program(result.scale, target)
     if runs is not None:
