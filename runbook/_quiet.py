@@ -24,9 +24,18 @@ EXPECTED = re.compile(
 )
 
 
+# XLA's GPU compiler warns when a program is larger than the device and rematerialization
+# cannot shrink it: expected where a page compiles a reproduction too large for a target on
+# purpose (the page reports the figure itself).
+REMATERIALIZATION = re.compile(r"hlo_rematerialization\.cc:\d+\] Can't reduce memory use below")
+
+
 @contextlib.contextmanager
-def plugin_chatter() -> Iterator[None]:
-    """Inside, stderr is captured; on exit every unexpected line is written back."""
+def plugin_chatter(also: re.Pattern[str] | None = None) -> Iterator[None]:
+    """Inside, stderr is captured; on exit every unexpected line is written back.
+
+    `also`: lines that match it are expected too.
+    """
     # Descriptor 2 itself, whatever sys.stderr is: C++ writes there, and in a notebook kernel
     # sys.stderr.fileno() names a saved copy of the terminal's descriptor instead.
     fd = 2
@@ -42,9 +51,19 @@ def plugin_chatter() -> Iterator[None]:
             os.close(saved)
             capture.seek(0)
             text = capture.read().decode(errors="replace")
-            kept = [ln for ln in text.splitlines() if ln.strip() and not EXPECTED.search(ln)]
+            kept = [
+                ln
+                for ln in text.splitlines()
+                if ln.strip() and not EXPECTED.search(ln) and not (also and also.search(ln))
+            ]
             if kept:
                 os.write(fd, ("\n".join(kept) + "\n").encode())
+
+
+def compiler_chatter() -> contextlib.AbstractContextManager[None]:
+    """`plugin_chatter` that also drops XLA's rematerialization warnings (compiles for a
+    target of programs larger than its memory)."""
+    return plugin_chatter(also=REMATERIALIZATION)
 
 
 _started = False
