@@ -122,9 +122,8 @@ def _mapped(k: int) -> Variant:
     return Variant(
         f"map-{k}",
         "fix",
-        f"lax.map(..., batch_size={k}): {k} examples at a time"
-        + (" (recommended)" if f"map-{k}" == RECOMMENDED else ""),
-        lambda p, k=k: functools.partial(set_and_sum_mapped, batch_size=k),
+        f"lax.map(..., batch_size={k}): {k} examples at a time",
+        lambda p: functools.partial(set_and_sum_mapped, batch_size=k),
         since="jax.lax.map(batch_size=)",
     )
 
