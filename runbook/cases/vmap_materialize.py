@@ -79,7 +79,8 @@ per_example_jit = jax.jit(per_example)
 
 
 def python_loop(x: jax.Array, idx: Any) -> np.ndarray:
-    """The baseline users compare `vmap` with: a jitted `per_example`, called per index.
+    """The baseline users compare `vmap` with: ``per_example_jit = jax.jit(per_example)``,
+    called once per index.
 
     Each call's result stays a `jax.Array` until the loop ends; then all are fetched.
     """
@@ -281,6 +282,10 @@ def tradeoff_figure(result: CaseResult, runs: Mapping[str, Any]):
     run_ks = [_in_flight(v, n_run) for v in names if v in by_time]
     right.semilogx(run_ks, [by_time[v] * 1e3 for v in names if v in by_time], "o-", color="C1",
                    label="lax.map / vmap")  # fmt: skip
+    for v in names:
+        if v in by_time:
+            right.annotate(v, (_in_flight(v, n_run), by_time[v] * 1e3),
+                           textcoords="offset points", xytext=(6, -12))  # fmt: skip
     right.axhline(runs["loop"]["seconds"] * 1e3, color="C3", ls=":", label="python loop")
     right.axhline(by_time["rewrite"] * 1e3, color="C2", ls="--", label="rewrite")
     right.set_yscale("log")
