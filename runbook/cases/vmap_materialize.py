@@ -513,8 +513,8 @@ def claims(
             f"n={s['n']:,}, d={s['d']}, {s['masks']} masks: largest buffer {big.shape} "
             f"({fmt_bytes(big.size)}, made by "
             f"{big.op.rsplit('/', 1)[-1] or big.instruction}) of {fmt_bytes(first['report'].total)}"
-            ": the kernel's (n, n, d) terms, which do not depend on the mask and are computed "
-            "once for all masks."
+            ": the kernel's (n, n, d) terms, which do not depend on the mask: vmap computes "
+            "them once for all masks."
         )
         out.append(
             Claim(
