@@ -123,6 +123,7 @@ _CASES = {
     "scan-residuals": "runbook.cases.scan_residuals",
     "frozen-params": "runbook.cases.frozen_params",
     "vocab-logits": "runbook.cases.vocab_logits",
+    "vmap-materialize": "runbook.cases.vmap_materialize",
     "closure-constant": "runbook.cases.closure_constant",
 }
 

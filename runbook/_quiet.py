@@ -14,7 +14,9 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 EXPECTED = re.compile(
     r"cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"
@@ -24,27 +26,84 @@ EXPECTED = re.compile(
 )
 
 
-@contextlib.contextmanager
-def plugin_chatter() -> Iterator[None]:
-    """Inside, stderr is captured; on exit every unexpected line is written back."""
-    # Descriptor 2 itself, whatever sys.stderr is: C++ writes there, and in a notebook kernel
-    # sys.stderr.fileno() names a saved copy of the terminal's descriptor instead.
-    fd = 2
-    sys.stderr.flush()
-    saved = os.dup(fd)
-    with tempfile.TemporaryFile(mode="w+b") as capture:
-        os.dup2(capture.fileno(), fd)
-        try:
-            yield
-        finally:
+# XLA's GPU compiler warns when a program is larger than the device and rematerialization
+# cannot shrink it: expected where a page compiles a reproduction too large for a target on
+# purpose (the page reports the figure itself).
+REMATERIALIZATION = re.compile(r"hlo_rematerialization\.cc:\d+\] Can't reduce memory use below")
+
+
+class _Capture:
+    """One capture of descriptor 2 shared by every context inside it, in any thread.
+
+    Contexts nest and overlap (target compiles run in threads): the first to enter
+    redirects the descriptor, the last to leave restores it and writes back the lines that
+    none of the patterns registered meanwhile expect. One capture at a time, so that no
+    context restores a descriptor another has redirected since.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved = -1
+        self.file: Any = None
+        self.patterns: list[re.Pattern[str]] = []
+
+    def enter(self, also: re.Pattern[str] | None) -> None:
+        with self.lock:
+            if also is not None:
+                self.patterns.append(also)
+            self.depth += 1
+            if self.depth > 1:
+                return
+            # Descriptor 2 itself, whatever sys.stderr is: C++ writes there, and in a
+            # notebook kernel sys.stderr.fileno() names a saved copy of the terminal's.
             sys.stderr.flush()
-            os.dup2(saved, fd)
-            os.close(saved)
-            capture.seek(0)
-            text = capture.read().decode(errors="replace")
-            kept = [ln for ln in text.splitlines() if ln.strip() and not EXPECTED.search(ln)]
+            self.saved = os.dup(2)
+            self.file = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 (closed by leave)
+            os.dup2(self.file.fileno(), 2)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth > 0:
+                return
+            sys.stderr.flush()
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+            self.file.seek(0)
+            text = self.file.read().decode(errors="replace")
+            self.file.close()
+            patterns, self.patterns = [EXPECTED, *self.patterns], []
+            kept = [
+                ln
+                for ln in text.splitlines()
+                if ln.strip() and not any(p.search(ln) for p in patterns)
+            ]
             if kept:
-                os.write(fd, ("\n".join(kept) + "\n").encode())
+                os.write(2, ("\n".join(kept) + "\n").encode())
+
+
+_CAPTURE = _Capture()
+
+
+@contextlib.contextmanager
+def plugin_chatter(also: re.Pattern[str] | None = None) -> Iterator[None]:
+    """Inside, stderr is captured; on exit every unexpected line is written back.
+
+    `also`: lines that match it are expected too.
+    """
+    _CAPTURE.enter(also)
+    try:
+        yield
+    finally:
+        _CAPTURE.leave()
+
+
+def compiler_chatter() -> contextlib.AbstractContextManager[None]:
+    """`plugin_chatter` that also drops XLA's rematerialization warnings: compiling for a
+    target a program larger than its memory is what the site does on purpose (the pages
+    report the figure), and XLA's GPU compiler warns that it cannot shrink it."""
+    return plugin_chatter(also=REMATERIALIZATION)
 
 
 _started = False

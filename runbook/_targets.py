@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ._errors import RunbookError, UnknownNameError
-from ._quiet import plugin_chatter
+from ._quiet import compiler_chatter, plugin_chatter
 
 # JAX preallocates this share of a GPU's memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION).
 GPU_ALLOCATOR_FRACTION = 0.75
@@ -318,7 +318,7 @@ def _devices(name: str, count: int) -> tuple[Any, ...]:
         )
     else:
         assert target.tpu is not None
-        for key, value in OWN_ENV.items():
+        for key, value in {**_TPU_SHARED, **_TPU_QUIET}.items():
             os.environ.setdefault(key, value)
         generation, shapes = target.tpu
         fitting = [n for n in shapes if n >= count]
@@ -344,11 +344,19 @@ _ACTIVE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("target"
 
 @contextlib.contextmanager
 def compiling_for(name: str | Target | None) -> Iterator[Target | None]:
-    """Inside, `devices()` gives the target's compile-only devices (None: this process's)."""
+    """Inside, `devices()` gives the target's compile-only devices (None: this process's).
+
+    For a GPU target, stderr is filtered as `compiler_chatter` does: XLA's GPU compiler warns
+    on every program larger than the device, which the site compiles on purpose. (A TPU
+    compile's stderr is left alone: libtpu reports fatal errors there before it aborts.)
+    """
     target = None if name is None else require(name)
     token = _ACTIVE.set(target)
+    gpu = target is not None and target.platform == "cuda"
+    quiet = compiler_chatter() if gpu else contextlib.nullcontext()
     try:
-        yield target
+        with quiet:
+            yield target
     finally:
         _ACTIVE.reset(token)
 

@@ -51,6 +51,7 @@ def detect(program: Program) -> list[Finding]:
             sorted(evidence, key=lambda b: -b.size)[:MAX_EVIDENCE],
             "Map over the batch in chunks with lax.map(f, xs, batch_size=k) (or a rolled "
             "loop) so that k examples' temporaries exist at a time instead of the whole batch's",
+            copy="runbook.cases.vmap_materialize.set_and_sum_mapped",
             detail=f"{len(chosen)} temporaries of vmapped operations, {fmt_bytes(nbytes)} live "
             f"at once, made at {', '.join(lines[:3]) or 'lines XLA did not record'}.",
         )
