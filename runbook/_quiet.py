@@ -25,8 +25,9 @@ EXPECTED = re.compile(
 
 
 @contextlib.contextmanager
-def plugin_chatter() -> Iterator[None]:
-    """Inside, stderr is captured; on exit every unexpected line is written back."""
+def plugin_chatter(expected: re.Pattern[str] = EXPECTED) -> Iterator[None]:
+    """Inside, stderr is captured; on exit every line that `expected` does not match is
+    written back."""
     # Descriptor 2 itself, whatever sys.stderr is: C++ writes there, and in a notebook kernel
     # sys.stderr.fileno() names a saved copy of the terminal's descriptor instead.
     fd = 2
@@ -42,7 +43,7 @@ def plugin_chatter() -> Iterator[None]:
             os.close(saved)
             capture.seek(0)
             text = capture.read().decode(errors="replace")
-            kept = [ln for ln in text.splitlines() if ln.strip() and not EXPECTED.search(ln)]
+            kept = [ln for ln in text.splitlines() if ln.strip() and not expected.search(ln)]
             if kept:
                 os.write(fd, ("\n".join(kept) + "\n").encode())
 
