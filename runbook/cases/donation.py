@@ -27,6 +27,7 @@ from jax import lax
 from .. import _cache, _subprocess
 from .._case import _CASES, Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
+from .._errors import DoesNotFitError, RunbookError
 from .._measure import compile_fn
 from .._quiet import plugin_chatter
 from .._render import Table, fmt_bytes
@@ -140,7 +141,11 @@ class DonationCheck:
 
 
 def donation_check(
-    fn: Callable[..., Any], *args: Any, name: str | None = None, target: str | None = None
+    fn: Callable[..., Any],
+    *args: Any,
+    name: str | None = None,
+    target: str | None = None,
+    fresh: bool = True,
 ) -> DonationCheck:
     """Did donation happen? Compile `fn` (a `jax.jit` with donated arguments) for `args` and
     compare the bytes donated with the bytes the compiled program aliases.
@@ -150,6 +155,8 @@ def donation_check(
         *args: arrays or `jax.ShapeDtypeStruct`s; nothing is allocated.
         name: label for tables (default: the function's name).
         target: compile for this device (see `runbook.targets()`).
+        fresh: clear JAX's caches first (`jax.clear_caches`): JAX warns about unusable
+            donations only the first time a program is lowered in a process.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -158,6 +165,8 @@ def donation_check(
         >>> check.donated, check.aliased, check.silent
         (4096, 0, True)
     """
+    if fresh:
+        jax.clear_caches()  # JAX warns on a program's first lowering in a process only
     unusable: list[str] = []
     compiled = compile_fn(fn, *args, target=target, unusable=unusable)
     stats = compiled.memory_analysis()
@@ -250,7 +259,7 @@ CASE = Case(
         ),
     ),
     args=_inputs,
-    grid=lambda scale: [{}],
+    grid=lambda scale: [{"optimizer": "adam"}],
     floor=lambda variant, scale, params: floor_bytes(scale),
     tolerance=1e-5,
     cause="the caller still owns the old parameters and optimizer state, so the new ones "
@@ -288,6 +297,34 @@ def checks(scale_name: str = "seed", target: str | None = None) -> list[Donation
     request = {"kind": "donation-checks", "scale": scale_name, "target": target}
     found = _cache.cached(request, compute, module=_CASES["donation"])
     return [DonationCheck(**{**c, "warnings": tuple(c["warnings"])}) for c in found]
+
+
+def target_checks(target: str) -> Table:
+    """`checks` compiled for `target` as a table: at the seed scale, or at the runnable scale
+    where a program of the seed scale does not fit one device."""
+    reason = ""
+    for scale in ("seed", CASE.runnable_scale):
+        try:
+            found = checks(scale, target=target)
+        except DoesNotFitError as e:
+            reason = f"; at scale 'seed' a program does not fit ({e})"
+            continue
+        return check_table(found, f"Compiled for {target}, scale {scale!r}{reason}.")
+    raise RunbookError(f"{target}: the checks fit no scale{reason}")
+
+
+def warnings_per_lowering(times: int = 2) -> list[int]:
+    """JAX's "not usable" warnings each time `misnumbered_step` is lowered again in this
+    process, after clearing JAX's caches once (tiny scale: the count does not depend on it).
+    """
+    args = _inputs(CASE.scales["tiny"], {}, False)
+    jax.clear_caches()
+    counts = []
+    for _ in range(times):
+        unusable: list[str] = []
+        compile_fn(misnumbered_step(), *args, unusable=unusable)
+        counts.append(len(unusable))
+    return counts
 
 
 def check_table(found: Sequence[DonationCheck], caption: str = "") -> Table:
@@ -392,7 +429,7 @@ def reports_table(result: CaseResult, found: Sequence[DonationCheck]) -> Table:
         f"of arguments and {fmt_bytes(repro.output)} of new state beside them; donated, "
         f"{fmt_bytes(fix.total)}",
         f"the peak is {repro.total / fix.total:.2f}x the donated step's; a misnumbered donation "
-        f"warns ({len(mis.warnings)} warning) and saves only {fmt_bytes(mis.aliased)}",
+        f"draws {len(mis.warnings)} warning(s) and saves only {fmt_bytes(mis.aliased)}",
         f"on this CPU the donated step aliases {fmt_bytes(fix.alias)} of "
         f"{fmt_bytes(by['donated_step'].donated)} donated",
         f"mixed_dtype_update: {fmt_bytes(mixed.unused)} donated and not reused, "
@@ -426,7 +463,8 @@ def claims(
             "reuse": reuse()}``; measured here on this backend when not given, never for a
             target.
     """
-    result = result or measure_case("donation", scale, target=target)
+    # buffers=True for a target: the accelerator section measured the same programs so
+    result = result or measure_case("donation", scale, target=target, buffers=target is not None)
     target = result.provenance.target or None
     found = found or checks(result.scale, target=target)
     if runs is None and target is None:
@@ -503,6 +541,7 @@ def claims(
     )
 
     silent = [c for c in found if c.silent]
+    once = warnings_per_lowering()
     out.append(
         Claim(
             "warns",
@@ -515,7 +554,8 @@ def claims(
                 for c in found
                 if c.unused > 0
             )
-            + ".",
+            + f". And JAX warns once per program and process: lowered {len(once)} times, "
+            f"misnumbered_step drew {', '.join(map(str, once))} warning(s).",
         )
     )
 
