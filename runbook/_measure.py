@@ -255,9 +255,7 @@ def measure(
             options["xla_dump_to"] = dump
         start = time.perf_counter()
         unusable: list[str] = []
-        compiled = compile_fn(
-            fn, *args, compiler_options=options, target=target, unusable=unusable
-        )
+        compiled = compile_fn(fn, *args, compiler_options=options, target=target, unusable=unusable)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()
         found = tuple(parse_dump(pathlib.Path(dump))) if buffers else ()

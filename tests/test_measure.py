@@ -136,3 +136,31 @@ def test_cache_key_ignores_what_the_package_sets_but_not_what_the_user_sets(monk
     assert _cache.key({"case": "x"}) == before
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
     assert _cache.key({"case": "x"}) != before
+
+
+def test_unusable_donation_is_a_caveat_not_a_warning():
+    # A function of its own: JAX warns on a program's first lowering in a process only.
+    def double_and_drop(a, b):
+        return a * 2.0
+
+    report = runbook.measure(jax.jit(double_and_drop, donate_argnums=(0, 1)), VEC, VEC)
+    assert report.alias == N * 4
+    (caveat,) = [c for c in report.caveats if "not usable" in c]
+    assert "float32[1024]" in caveat
+    assert runbook.measure(lambda a: a * 2.0, VEC).caveats == ()
+
+
+def test_compile_fn_collects_unusable_donations_and_passes_other_warnings():
+    import warnings
+
+    from runbook._measure import compile_fn
+
+    def drop_and_warn(a, b):
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        return a + 1.0
+
+    unusable: list[str] = []
+    with pytest.warns(UserWarning, match="something else"):
+        compile_fn(jax.jit(drop_and_warn, donate_argnums=(0, 1)), VEC, VEC, unusable=unusable)
+    assert len(unusable) == 1
+    assert unusable[0].startswith("Some donated buffers were not usable")
