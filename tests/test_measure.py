@@ -141,7 +141,7 @@ def test_cache_key_ignores_what_the_package_sets_but_not_what_the_user_sets(monk
 def test_unusable_donation_is_a_caveat_not_a_warning():
     # A function of its own: JAX warns on a program's first lowering in a process only.
     def double_and_drop(a, b):
-        return a * 2.0
+        return a * 2.0 + b  # two donated inputs, one output
 
     report = runbook.measure(jax.jit(double_and_drop, donate_argnums=(0, 1)), VEC, VEC)
     assert report.alias == N * 4
@@ -157,7 +157,7 @@ def test_compile_fn_collects_unusable_donations_and_passes_other_warnings():
 
     def drop_and_warn(a, b):
         warnings.warn("something else", UserWarning, stacklevel=1)
-        return a + 1.0
+        return a + b
 
     unusable: list[str] = []
     with pytest.warns(UserWarning, match="something else"):
