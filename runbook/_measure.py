@@ -267,7 +267,7 @@ def measure(
         Provenance.for_target(target, _devices_used(compiled)) if target else Provenance.current()
     )
     caveats = (() if target else _backend_caveats(compiled, options)) + tuple(
-        f"JAX: {text} (donated, but no output of that shape and dtype reuses it)."
+        f"JAX warned: {text}"
         for text in unusable
     )
     return MemoryReport(
