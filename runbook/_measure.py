@@ -267,8 +267,7 @@ def measure(
         Provenance.for_target(target, _devices_used(compiled)) if target else Provenance.current()
     )
     caveats = (() if target else _backend_caveats(compiled, options)) + tuple(
-        f"JAX warned: {text}"
-        for text in unusable
+        f"JAX warned: {text}" for text in unusable
     )
     return MemoryReport(
         name=name or str(getattr(fn, "__name__", "fn")),

@@ -164,3 +164,20 @@ def test_compile_fn_collects_unusable_donations_and_passes_other_warnings():
         compile_fn(jax.jit(drop_and_warn, donate_argnums=(0, 1)), VEC, VEC, unusable=unusable)
     assert len(unusable) == 1
     assert unusable[0].startswith("Some donated buffers were not usable")
+
+
+def test_plot_draws_each_bar_at_its_total():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    donated = runbook.measure(jax.jit(lambda a: a * 2.0, donate_argnums=0), VEC, name="d")
+    plain = runbook.measure(lambda a: a * 2.0, VEC, name="p")
+    ax = runbook.plot_reports([plain, donated])
+    ends: dict[float, float] = {}
+    for bar in ax.patches:
+        y = bar.get_y()
+        ends[y] = max(ends.get(y, 0.0), bar.get_x() + bar.get_width())
+    unit_scale = 1024 if max(plain.total, donated.total) < 2**20 else 2**20
+    assert sorted(ends.values()) == pytest.approx(
+        sorted([donated.total / unit_scale, plain.total / unit_scale])
+    )
