@@ -28,7 +28,7 @@ from .. import _cache, _subprocess
 from .._case import _CASES, Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._errors import DoesNotFitError, RunbookError
-from .._measure import compile_fn
+from .._measure import _lowering, compile_fn
 from .._quiet import plugin_chatter
 from .._render import Table, fmt_bytes
 from .._runtime import RuntimePeak, runtime_peak
@@ -166,7 +166,8 @@ def donation_check(
         (4096, 0, True)
     """
     if fresh:
-        jax.clear_caches()  # JAX warns on a program's first lowering in a process only
+        with _lowering:  # not while another thread lowers
+            jax.clear_caches()  # JAX warns on a program's first lowering in a process only
     unusable: list[str] = []
     compiled = compile_fn(fn, *args, target=target, unusable=unusable)
     stats = compiled.memory_analysis()
@@ -329,7 +330,8 @@ def warnings_per_lowering(times: int = 2) -> list[int]:
     process, after clearing JAX's caches once (tiny scale: the count does not depend on it).
     """
     args = _inputs(CASE.scales["tiny"], {}, False)
-    jax.clear_caches()
+    with _lowering:
+        jax.clear_caches()
     counts = []
     for _ in range(times):
         unusable: list[str] = []
