@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import pathlib
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -118,24 +121,49 @@ def _first_line(error: Exception, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+# JAX's warning when a donated input matches no output (jax-ml/jax#1273, #9237).
+UNUSABLE = "Some donated buffers were not usable"
+_lowering = threading.Lock()  # warnings.catch_warnings is process-wide: one lowering at a time
+
+
+@contextlib.contextmanager
+def _collect_unusable(unusable: list[str] | None) -> Iterator[None]:
+    """Inside, JAX's "not usable" donation warnings go to `unusable` instead of the terminal
+    (their first line each); other warnings pass. A no-op when `unusable` is None."""
+    if unusable is None:
+        yield
+        return
+    with _lowering, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        text = str(w.message)
+        if text.startswith(UNUSABLE):
+            unusable.append(text.splitlines()[0])
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def compile_fn(
     fn: Callable[..., Any],
     *args: Any,
     compiler_options: Mapping[str, Any] | None = None,
     target: str | None = None,
+    unusable: list[str] | None = None,
 ) -> Any:
     """Lower and compile `fn` for `args` (arrays or `jax.ShapeDtypeStruct`s).
 
     With `target` (see `runbook.targets()`), compile with that device's compiler: the inputs
     are placed on its compile-only devices, and a program too large for one device raises
-    `DoesNotFitError` with the compiler's figures.
+    `DoesNotFitError` with the compiler's figures. With `unusable`, JAX's warnings that
+    donated buffers were not usable are appended to it instead of being shown.
     """
     if target is not None:
         t = _targets.require(target)
         with _targets.compiling_for(t):
             options = {**_targets.compiler_options(t), **(compiler_options or {})}
             placed = _targets.place(args, t, unsharded=not _is_pmap(fn))
-            compiled = compile_fn(fn, *placed, compiler_options=options)
+            compiled = compile_fn(fn, *placed, compiler_options=options, unusable=unusable)
         platforms = {d.platform for d in _devices(compiled)}
         if platforms - set(
             t.device_platforms
@@ -149,7 +177,8 @@ def compile_fn(
     name = getattr(fn, "__name__", type(fn).__name__)
     start_backend()
     try:
-        lowered = lowerable.lower(*args)
+        with _collect_unusable(unusable):
+            lowered = lowerable.lower(*args)
     except jax.errors.ConcretizationTypeError as e:  # also covers bool() of a tracer
         raise RunbookError(
             f"could not trace `{name}`: {_first_line(e)}. Likely cause: Python control flow "
@@ -210,7 +239,8 @@ def measure(
             for a device this machine need not have.
 
     Returns:
-        A `MemoryReport` with bytes per device.
+        A `MemoryReport` with bytes per device. JAX's warnings that donated buffers were not
+        usable are recorded as its caveats instead of being shown.
 
     Raises:
         DoesNotFitError: the target's compiler refused the program as too large for one
@@ -230,7 +260,8 @@ def measure(
         if buffers:
             options["xla_dump_to"] = dump
         start = time.perf_counter()
-        compiled = compile_fn(fn, *args, compiler_options=options, target=target)
+        unusable: list[str] = []
+        compiled = compile_fn(fn, *args, compiler_options=options, target=target, unusable=unusable)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()
         found = tuple(parse_dump(pathlib.Path(dump))) if buffers else ()
@@ -241,7 +272,9 @@ def measure(
     provenance = (
         Provenance.for_target(target, _devices_used(compiled)) if target else Provenance.current()
     )
-    caveats = () if target else _backend_caveats(compiled, options)
+    caveats = (() if target else _backend_caveats(compiled, options)) + tuple(
+        f"JAX warned: {text}" for text in unusable
+    )
     return MemoryReport(
         name=name or str(getattr(fn, "__name__", "fn")),
         argument=int(stats.argument_size_in_bytes),

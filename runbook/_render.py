@@ -120,7 +120,11 @@ def plot_reports(
     ax: Any = None,
     title: str = "",
 ):
-    """Stacked argument / temp / output bars per report, with each lower bound marked."""
+    """Stacked argument / temp / output bars per report, with each lower bound marked.
+
+    Outputs written into donated arguments (aliased) are drawn once, as arguments: each bar
+    is the report's total.
+    """
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -129,8 +133,13 @@ def plot_reports(
     unit, scale = _unit(max(r.total for r in reports))
     names = [label(r) for r in reports]
     left = [0.0] * len(reports)
-    for part, color in (("argument", "#4c72b0"), ("temp", "#dd8452"), ("output", "#55a868")):
-        widths = [getattr(r, part) / scale for r in reports]
+    parts = (
+        ("argument", "#4c72b0", lambda r: r.argument),
+        ("temp", "#dd8452", lambda r: r.temp),
+        ("output", "#55a868", lambda r: r.output - r.alias),
+    )
+    for part, color, size in parts:
+        widths = [size(r) / scale for r in reports]
         ax.barh(names, widths, left=left, color=color, label=part)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.scatter(

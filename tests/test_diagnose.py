@@ -30,14 +30,6 @@ from runbook.detectors import DETECTORS
 S = jax.ShapeDtypeStruct
 f32 = jnp.float32
 
-# Cases whose detectors exist before the case itself: the names they will have. A finding
-# may name one of these only while it is not registered; once it is, every check applies.
-PENDING = {
-    "scan-residuals",
-    "donation",
-    "frozen-params",
-    "vocab-logits",
-}
 SECONDS = 10  # the issue's target for one diagnosis at seed scale, here
 
 
@@ -411,8 +403,7 @@ def test_vocab_logits():
     assert not runbook.diagnose(jax.value_and_grad(lm_loss_chunked), *LM).findings
 
 
-def test_every_finding_names_a_case_or_a_pending_one():
-    """Cases not yet registered are tolerated; a registered one must have its link and code."""
+def test_every_finding_names_a_registered_case_with_its_link_and_code():
     programs = [
         (jax.grad(gather_loss), (S((256, 256), f32), S((2**22, 2), jnp.int16))),
         (loop_of_products, (S((16, 1024 * 128), f32),)),
@@ -427,14 +418,11 @@ def test_every_finding_names_a_case_or_a_pending_one():
     for fn, args in programs:
         for f in runbook.diagnose(fn, *args, measure_fixes=False).findings:
             seen.add(f.case)
-            if f.case in runbook.case_names():
-                assert f.link == f"cases/{f.case}.html#fix"
-                assert f.link in f.fix
-                assert f.copy is None or f.copy in f.fix
-            else:
-                assert f.case in PENDING, f.case
-                assert f.link is None
-    assert seen == PENDING | {"gather-grad", "pmap-loop", "vmap-materialize", "closure-constant"}
+            assert f.case in runbook.case_names(), f.case
+            assert f.link == f"cases/{f.case}.html#fix"
+            assert f.link in f.fix
+            assert f.copy is None or f.copy in f.fix
+    assert seen == set(runbook.case_names())
     assert len(DETECTORS) == 9
 
 

@@ -136,3 +136,48 @@ def test_cache_key_ignores_what_the_package_sets_but_not_what_the_user_sets(monk
     assert _cache.key({"case": "x"}) == before
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
     assert _cache.key({"case": "x"}) != before
+
+
+def test_unusable_donation_is_a_caveat_not_a_warning():
+    # A function of its own: JAX warns on a program's first lowering in a process only.
+    def double_and_drop(a, b):
+        return a * 2.0 + b  # two donated inputs, one output
+
+    report = runbook.measure(jax.jit(double_and_drop, donate_argnums=(0, 1)), VEC, VEC)
+    assert report.alias == N * 4
+    (caveat,) = [c for c in report.caveats if "not usable" in c]
+    assert "float32[1024]" in caveat
+    assert runbook.measure(lambda a: a * 2.0, VEC).caveats == ()
+
+
+def test_compile_fn_collects_unusable_donations_and_passes_other_warnings():
+    import warnings
+
+    from runbook._measure import compile_fn
+
+    def drop_and_warn(a, b):
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        return a + b
+
+    unusable: list[str] = []
+    with pytest.warns(UserWarning, match="something else"):
+        compile_fn(jax.jit(drop_and_warn, donate_argnums=(0, 1)), VEC, VEC, unusable=unusable)
+    assert len(unusable) == 1
+    assert unusable[0].startswith("Some donated buffers were not usable")
+
+
+def test_plot_draws_each_bar_at_its_total():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    donated = runbook.measure(jax.jit(lambda a: a * 2.0, donate_argnums=0), VEC, name="d")
+    plain = runbook.measure(lambda a: a * 2.0, VEC, name="p")
+    ax = runbook.plot_reports([plain, donated])
+    ends: dict[float, float] = {}
+    for bar in ax.patches:
+        y = bar.get_y()
+        ends[y] = max(ends.get(y, 0.0), bar.get_x() + bar.get_width())
+    unit_scale = 1024 if max(plain.total, donated.total) < 2**20 else 2**20
+    assert sorted(ends.values()) == pytest.approx(
+        sorted([donated.total / unit_scale, plain.total / unit_scale])
+    )

@@ -82,5 +82,6 @@ def detect(program: Program) -> list[Finding]:
             f"({names}) and reuse none of the inputs' memory: {fmt_bytes(nbytes)} held twice."
             + measured,
             saving=saving,
+            copy="runbook.cases.donation.donated_step",
         )
     ]

@@ -1,0 +1,164 @@
+"""donation: every verdict, every fix's result, the checks and the issue's targets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import runbook
+from runbook._cli import main
+from runbook.cases import donation
+from runbook.cases.donation import CASE
+
+
+@pytest.fixture(scope="module")
+def seed():
+    start = time.perf_counter()
+    result = runbook.measure_case("donation", "seed")
+    return result, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def found():
+    return {c.name: c for c in donation.checks()}
+
+
+EXPECTED = {
+    "cpu": "refuted",
+    "two-copies": "confirmed",
+    "fusion": "confirmed",
+    "warns": "refuted",
+    "loop-copy": "confirmed",
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts(seed, found):
+    runs = {"peaks": donation.peaks(), "eager": donation.eager_peak(), "reuse": donation.reuse()}
+    return {c.key: c.verdict for c in donation.claims(seed[0], list(found.values()), runs=runs)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("key", "verdict"), EXPECTED.items())
+def test_verdict(verdicts, key, verdict):
+    assert verdicts[key] == verdict
+
+
+@pytest.mark.slow
+def test_every_claim_has_a_verdict(verdicts):
+    assert set(verdicts) == set(EXPECTED)
+
+
+def test_whole_case_measured_within_a_minute(seed):
+    result, seconds = seed
+    assert len(result.reports) == len(CASE.variants)
+    assert seconds < 60
+
+
+def test_recommended_fix_saves_and_sits_near_its_floor(seed):
+    result = seed[0]
+    repro = result.one("no-donation")
+    fix = result.one(donation.RECOMMENDED)
+    assert fix.total == min(r.total for r in result.select(role="fix"))
+    assert repro.total / fix.total >= 1.5
+    assert fix.overhead <= 1.25
+
+
+def test_without_donation_the_new_state_sits_beside_the_old(seed):
+    result = seed[0]
+    state = donation._sizes(CASE.scales["seed"])["state"]
+    repro, fix = result.one("no-donation"), result.one("donated")
+    assert repro.alias == 0
+    assert repro.output >= state
+    assert fix.alias >= state
+    # The misnumbered step saves the parameters only: a third of the state.
+    mis = result.one("misnumbered")
+    assert mis.alias == pytest.approx(state / 3, rel=0.01)
+
+
+def test_checks_tell_donated_from_aliased(found):
+    assert found["donated_step"].unused <= 0
+    assert not found["donated_step"].warnings
+    mis = found["misnumbered_step"]
+    assert mis.unused == CASE.scales["seed"]["tokens"] * CASE.scales["seed"]["width"] * 4
+    assert len(mis.warnings) == 1
+    assert not mis.silent
+    mixed = found["mixed_dtype_update"]
+    assert mixed.silent
+    assert mixed.unused == donation._sizes(CASE.scales["seed"])["params"]
+
+
+def test_loop_reading_a_donated_array_costs_a_copy(found):
+    loop, once = found["update_read_update"], found["update_read_once"]
+    assert loop.aliased == loop.donated == once.donated
+    assert loop.temp >= loop.donated
+    assert once.temp < 0.01 * once.donated
+
+
+def test_donation_check_catches_a_silent_failure():
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    ok = donation.donation_check(jax.jit(lambda a: a * 2, donate_argnums=0), x)
+    assert (ok.donated, ok.aliased, ok.silent) == (256 * 256 * 4, 256 * 256 * 4, False)
+    halved = donation.donation_check(
+        jax.jit(lambda a: (a * 2).astype(jnp.bfloat16), donate_argnums=0), x
+    )
+    assert halved.aliased == 0
+    assert halved.silent
+
+
+def test_jax_warns_once_per_program_and_process():
+    assert donation.warnings_per_lowering(3) == [1, 0, 0]
+
+
+def test_loop_and_strided_reads_give_the_same_result():
+    x = jnp.linspace(-1.0, 1.0, 1024, dtype=jnp.float32)
+    np.testing.assert_allclose(
+        donation.update_read_update(x), donation.update_read_once(x), rtol=1e-6
+    )
+
+
+def test_fixes_give_the_same_step():
+    checks = runbook.verify("donation", "tiny")
+    fixes = {v.name for v in CASE.variants if v.role == "fix"}
+    assert {c["name"] for c in checks} == fixes
+    assert all(c["same"] for c in checks), checks
+
+
+def test_same_result_check_catches_a_wrong_update(monkeypatch):
+    def wrong_step(params, opt_state, x, y):
+        new, state, value = donation.train_step(params, opt_state, x, y)
+        return [1.01 * p for p in new], state, value
+
+    wrong = dataclasses.replace(
+        CASE.variant("donated"),
+        name="wrong",
+        program=lambda p: jax.jit(wrong_step, donate_argnums=(0, 1)),
+    )
+    monkeypatch.setattr(
+        donation, "CASE", dataclasses.replace(CASE, variants=(*CASE.variants, wrong))
+    )
+    checks = runbook.verify("donation", "tiny")
+    assert [c["same"] for c in checks if c["name"] == "wrong"] == [False]
+
+
+def test_tables_cover_every_report_and_check(seed, found):
+    table = donation.reports_table(seed[0], list(found.values()))
+    assert [row[0] for row in table.rows] == list(donation.REPORTS)
+    assert len(donation.check_table(list(found.values())).rows) == len(found)
+
+
+def test_cli_json(capsys):
+    assert main(["run", "donation", "--json", "--quiet"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["case"] == "donation"
+    assert {v["role"] for v in data["variants"]} == {"reproduction", "fix"}
+    for v in data["variants"]:
+        b = v["bytes"]
+        assert b["total"] == b["argument"] + b["output"] + b["temp"] - b["alias"]
+        assert v["lower_bound"] > 0
