@@ -17,6 +17,7 @@ from ._buffers import Buffer
 from ._errors import DoesNotFitError, RunbookError, UnknownNameError
 from ._measure import MemoryReport, compile_fn, measure
 from ._provenance import Provenance
+from ._quiet import start_backend
 
 ROLES = ("baseline", "reproduction", "fix")
 Params = Mapping[str, Any]
@@ -234,6 +235,7 @@ class CaseResult:
 
 
 def _needs_child(case: Case) -> bool:
+    start_backend()  # this may be a page's first JAX call: the plugins' chatter filtered
     return jax.device_count() < case.devices
 
 

@@ -226,3 +226,26 @@ def test_cli_lists_the_targets(capsys):
 def test_a_real_device_kind_finds_its_deviceless_target(kind, name):
     found = _targets.matching(kind)
     assert (found.name if found else None) == name
+
+
+def test_a_program_larger_than_a_gpu_compiles_without_xla_logging_it(capfd):
+    # XLA's GPU compiler logs every program larger than the device; pages compile some on
+    # purpose and report the figure themselves, so the log line must not reach the reader.
+    big = jax.ShapeDtypeStruct((4096, 1 << 20), jnp.float32)  # 16 GiB, a T4 has 16 GB
+    report = runbook.measure(lambda a: a * 2, big, target="t4")
+    assert report.total > runbook.get_target("t4").memory
+    err = capfd.readouterr().err
+    assert "gpu_hlo_schedule" not in err, err
+    assert "hlo_rematerialization" not in err, err
+
+
+def test_a_case_measured_first_thing_in_a_process_prints_no_plugin_chatter():
+    code = "import runbook; runbook.measure_case('gather-grad', 'tiny')"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("RUNBOOK_CACHE_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.strip() == ""

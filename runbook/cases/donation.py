@@ -10,12 +10,10 @@ its fixes and the checks; copy the one you need.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +27,6 @@ from .._case import _CASES, Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._errors import DoesNotFitError, RunbookError
 from .._measure import _lowering, compile_fn
-from .._quiet import plugin_chatter
 from .._render import Table, fmt_bytes
 from .._runtime import RuntimePeak, runtime_peak
 
@@ -361,18 +358,6 @@ def check_table(found: Sequence[DonationCheck], caption: str = "") -> Table:
         rows,
         caption,
     )  # fmt: skip
-
-
-# XLA's C++ log lines when a step larger than a small GPU is compiled for it (the target
-# table marks the program as too big already).
-XLA_LOGS = re.compile(r"hlo_rematerialization\.cc|gpu_hlo_schedule\.cc")
-
-
-@contextlib.contextmanager
-def quiet_target_logs() -> Iterator[None]:
-    """Inside, XLA's rematerialization and scheduler log lines are dropped from stderr."""
-    with plugin_chatter(also=XLA_LOGS):
-        yield
 
 
 def _eager_json(scale: str) -> dict[str, Any]:
