@@ -8,10 +8,12 @@ Usage (``nox -s browser`` runs both)::
 The site is served on localhost; any request elsewhere is blocked and reported, so a page
 that needs the network fails. A page fails on: a console error or uncaught exception, a
 request that fails or returns an HTTP error, an image that did not load, a content image
-without alt text, a table with no rows or only empty cells, a table whose content is hidden by overflow (it scrolls, is clipped, or runs past a
-1280-pixel window), a link to a page of the site that does not exist, a code block without
-its copy button, and, for a case page (``cases/*``), no chart. The search page must
-find the site's pages for a query (Sphinx's search runs in the browser, offline). A full-page screenshot of
+without alt text, a table with no rows or only empty cells, a table whose content is hidden
+by overflow (it scrolls, is clipped, or runs past a 1280-pixel window), a link to a page of
+the site that does not exist, a code block without its copy button, a cell output written
+to stderr (a log line the reader should not see), and, for a case page (``cases/*``), no
+chart. The search page must find the site's pages for a query (Sphinx's search runs in the
+browser, offline). A full-page screenshot of
 every page is saved under ``docs/_build/browser/`` with ``report.json``.
 
 Chromium is Debian's (``apt-get install chromium``), driven by Playwright; Playwright
@@ -81,6 +83,8 @@ async () => {
       return t.getBoundingClientRect().right > document.documentElement.clientWidth + 1;
     }).map(t => t.id || t.className || "table"),
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.getAttribute("href")),
+    stderr: Array.from(main.querySelectorAll(".output.stderr"))
+      .map(e => text(e).split("\\n")[0].slice(0, 120)),
     uncopyable: Array.from(main.querySelectorAll("div.highlight"))
       .filter(d => !d.querySelector("button.copybtn")).length,
   };
@@ -173,6 +177,8 @@ def check_page(context, base: str, root: pathlib.Path, page: str, shots: pathlib
         problems.append(f"content hidden by overflow: a {table} wider than the page shows")
     if page.startswith("cases/") and not any(i["output"] and i["loaded"] for i in info["images"]):
         problems.append("case page without its chart (no image in a cell output or figure)")
+    for line in info["stderr"]:
+        problems.append(f"stderr in a cell output: {line}")
     if info["uncopyable"]:
         problems.append(f"code block without copy button: {info['uncopyable']} of them")
     for href in sorted(set(info["links"])):
@@ -272,6 +278,8 @@ SELF_TEST = {
     "external.html": ('<img src="https://example.com/x.png" alt="x">', "external request"),
     "dead-link.html": ('<a href="missing-page.html">x</a>', "dead link"),
     "search.html": ('<div id="search-results"></div>', "search finds no page"),
+    "stderr.html": ('<div class="output stderr"><pre>E1123 gpu_hlo_schedule.cc] log</pre></div>',
+                    "stderr in a cell output"),
     "no-copy.html": ('<div class="highlight"><pre>x = 1</pre></div>', "code block without copy"),
     "clipped.html": ('<div style="width:300px;overflow-x:auto"><table><tr><td>'
                      + "x" * 200 + "</td></tr></table></div>", "content hidden by overflow"),
