@@ -16,6 +16,12 @@ def _params(params: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
+def cited_reports_table(reports: Mapping[str, str], ours: Sequence[str], caption: str) -> Table:
+    """What each cited report said beside what this build measures, one row a report."""
+    rows = [[name, said, got] for (name, said), got in zip(reports.items(), ours, strict=True)]
+    return Table(["report", "what it reported", "what we measure"], rows, caption)
+
+
 def fix_table(result: CaseResult, *, at: Mapping[str, Any] | None = None) -> Table:
     """Each fix beside the reproduction at the same grid point: total, floor, saving.
 

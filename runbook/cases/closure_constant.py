@@ -26,6 +26,7 @@ from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._history import Note
 from .._measure import MemoryReport, measure
+from .._pages import cited_reports_table
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
 
@@ -365,9 +366,9 @@ def reports_table(result: CaseResult, flow: list[dict[str, Any]]) -> Table:
             f"{fmt_bytes(r['rss_cached'])} with the executable cached"
         ),
     ]
-    return Table(
-        ["report", "what it reported", "what we measure"],
-        [[name, said, got] for (name, said), got in zip(REPORTS.items(), ours, strict=True)],
+    return cited_reports_table(
+        REPORTS,
+        ours,
         f"{result.provenance.label()}; host resident set of real runs, {result.scale} scale.",
     )
 

@@ -27,6 +27,7 @@ from .._case import _CASES, Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._errors import DoesNotFitError, RunbookError
 from .._measure import _lowering, compile_fn
+from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from .._runtime import RuntimePeak, runtime_peak
 
@@ -445,10 +446,8 @@ def reports_table(result: CaseResult, found: Sequence[DonationCheck]) -> Table:
             f"(the array is {fmt_bytes(loop.donated)})"
         ),
     ]
-    return Table(
-        ["report", "what it reported", "what we measure"],
-        [[name, said, got] for (name, said), got in zip(REPORTS.items(), ours, strict=True)],
-        f"{result.provenance.label()}; compile time, {result.scale} scale.",
+    return cited_reports_table(
+        REPORTS, ours, f"{result.provenance.label()}; compile time, {result.scale} scale."
     )
 
 

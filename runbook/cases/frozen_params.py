@@ -24,6 +24,7 @@ from .._claims import Claim, verdict
 from .._errors import DoesNotFitError
 from .._history import Note
 from .._measure import MemoryReport, measure
+from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from .scan_residuals import saved_residuals
 
@@ -540,10 +541,8 @@ def reports_table(
             f"{fmt_bytes(stored['stopped weights'])} with it differentiable"
         ),
     ]
-    return Table(
-        ["report", "what it reported", "what we measure"],
-        [[name, said, got] for (name, said), got in zip(REPORTS.items(), ours, strict=True)],
-        f"{result.provenance.label()}; compile time, {result.scale} scale.",
+    return cited_reports_table(
+        REPORTS, ours, f"{result.provenance.label()}; compile time, {result.scale} scale."
     )
 
 

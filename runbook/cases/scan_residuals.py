@@ -28,6 +28,7 @@ from .._buffers import _short_path
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._measure import MemoryReport, measure
+from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 
 STEPS = (64, 256, 1024, 4096)  # powers of 4: each has an integer square root
@@ -410,10 +411,8 @@ def reports_table(result: CaseResult, layers: Sequence[MemoryReport]) -> Table:
         ),
         f"remat-body saves {1 - body.total / repro.total:.0%} of grad's total at T={t}",
     ]
-    return Table(
-        ["report", "what it reported", "what we measure"],
-        [[name, said, got] for (name, said), got in zip(REPORTS.items(), ours, strict=True)],
-        f"{result.provenance.label()}; compile time, seed scale.",
+    return cited_reports_table(
+        REPORTS, ours, f"{result.provenance.label()}; compile time, seed scale."
     )
 
 

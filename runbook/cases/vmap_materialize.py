@@ -26,6 +26,7 @@ from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._errors import DoesNotFitError
 from .._measure import MemoryReport, measure
+from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from .._runtime import runtime_peak
 
@@ -456,10 +457,8 @@ def reports_table(result: CaseResult, pairwise: list[dict[str, Any]]) -> Table:
         ),
         f"n={s['n']:,}, d={s['d']}, {s['masks']} masks, float32: largest buffer {got}",
     ]
-    return Table(
-        ["report", "what it reported", "what we measure"],
-        [[k, said, o] for (k, said), o in zip(REPORTS.items(), ours, strict=True)],
-        f"{result.provenance.label()}; compile time, {result.scale} scale.",
+    return cited_reports_table(
+        REPORTS, ours, f"{result.provenance.label()}; compile time, {result.scale} scale."
     )
 
 

@@ -22,6 +22,7 @@ from jax import lax
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._measure import MemoryReport, compile_fn, measure
+from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 
 CHUNKS = 32  # the fixes split the tokens, or the vocabulary, into this many chunks
@@ -402,11 +403,7 @@ def reports_table(result: CaseResult, found: Mapping[str, Any]) -> Table:
         "one-hot arrays materialised with bfloat16 logits at that shape: "
         + ("; ".join(f"{s}: {b / 1e9:.2f} GB" for s, b in one_hot) or "none"),
     ]
-    return Table(
-        ["report", "what it reported", "what we measure"],
-        [[name, said, got] for (name, said), got in zip(REPORTS.items(), ours, strict=True)],
-        f"{result.provenance.label()}; compile time.",
-    )
+    return cited_reports_table(REPORTS, ours, f"{result.provenance.label()}; compile time.")
 
 
 def claims(
