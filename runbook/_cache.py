@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._targets import OWN_ENV
+from ._targets import own_env
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
 ENV_VAR = "RUNBOOK_CACHE_DIR"
@@ -78,10 +78,11 @@ def _machine() -> str:
 
 def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
     """The key of `request` (JSON-able), with the sources and environment it depends on."""
+    own = own_env()
     env = {
         k: v
         for k, v in sorted(os.environ.items())
-        if k.startswith(_ENV_PREFIXES) and OWN_ENV.get(k) != v
+        if k.startswith(_ENV_PREFIXES) and own.get(k) != v
     }
     env.pop(ENV_VAR, None)
     payload = {

@@ -271,9 +271,13 @@ def require(name: str | Target) -> Target:
 # libtpu from asking a cloud metadata server about a TPU that is not there.
 _TPU_SHARED = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 _TPU_QUIET = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
-# What this module sets in os.environ: the cache leaves these out of its keys, or every lookup
-# after the first TPU compile of a process would miss.
-OWN_ENV = {**_TPU_SHARED, **_TPU_QUIET}
+
+
+def own_env() -> dict[str, str]:
+    """What this module sets in os.environ (read when called: the tests clear the tables).
+    The cache leaves these out of its keys, or every lookup after a process's first TPU
+    compile would miss."""
+    return {**_TPU_SHARED, **_TPU_QUIET}
 
 
 def _ensure_cuda_plugin() -> None:
@@ -318,7 +322,7 @@ def _devices(name: str, count: int) -> tuple[Any, ...]:
         )
     else:
         assert target.tpu is not None
-        for key, value in {**_TPU_SHARED, **_TPU_QUIET}.items():
+        for key, value in own_env().items():
             os.environ.setdefault(key, value)
         generation, shapes = target.tpu
         fitting = [n for n in shapes if n >= count]

@@ -128,10 +128,10 @@ def test_shape_error_is_reported_without_a_misleading_hint():
 def test_cache_key_ignores_what_the_package_sets_but_not_what_the_user_sets(monkeypatch):
     from runbook import _cache, _targets
 
-    for name in _targets.OWN_ENV:
+    for name in _targets.own_env():
         monkeypatch.delenv(name, raising=False)
     before = _cache.key({"case": "x"})
-    for name, value in _targets.OWN_ENV.items():  # what compiling for a TPU target sets
+    for name, value in _targets.own_env().items():  # what compiling for a TPU target sets
         monkeypatch.setenv(name, value)
     assert _cache.key({"case": "x"}) == before
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
