@@ -114,9 +114,12 @@ def fix_runtimes(names: Sequence[str], progress: Callable[[str], None]) -> dict[
     return out
 
 
-def docs_builds(progress: Callable[[str], None], case_module: str) -> dict[str, Any]:
+def docs_builds(
+    progress: Callable[[str], None], case_module: str
+) -> tuple[dict[str, Any], dict[str, float]]:
     """The site built in a copy of the repository: cold (empty build folder and measurement
-    cache), warm (nothing changed), then after a one-line edit to one case module."""
+    cache), warm (nothing changed), then after a one-line edit to one case module. Also each
+    page's execution time in the cold build."""
     with tempfile.TemporaryDirectory(prefix="runbook-bench-") as tmp:
         copy = pathlib.Path(tmp) / "repo"
         shutil.copytree(
@@ -127,6 +130,7 @@ def docs_builds(progress: Callable[[str], None], case_module: str) -> dict[str, 
         command = [sys.executable, "-m", "sphinx", "-j", "auto", "-n", "-T", "-W", "--keep-going",
                    "-q", "-b", "html", "docs", "docs/_build/html"]  # fmt: skip
         out: dict[str, Any] = {}
+        pages: dict[str, float] = {}
         for label in ("cold", "warm", "one-line edit to a case module"):
             if label.startswith("one-line"):
                 module = copy / "runbook" / "cases" / case_module
@@ -137,8 +141,23 @@ def docs_builds(progress: Callable[[str], None], case_module: str) -> dict[str, 
             seconds = _seconds(build)
             out[label] = round(seconds, 1)
             progress(f"docs build, {label}: {out[label]} s")
+            if label == "cold":
+                pages = _page_seconds(copy / "docs" / "_build" / "html" / ".doctrees")
         out["edited_module"] = case_module
-        return out
+        return out, pages
+
+
+def _page_seconds(doctrees: pathlib.Path) -> dict[str, float]:
+    """Each page's execution time in the build whose environment is in `doctrees`, longest
+    first (the docs extension reads it to start the longest pages of a first build first)."""
+    import pickle
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from runbook_docs import page_seconds
+
+    with (doctrees / "environment.pickle").open("rb") as f:
+        found = page_seconds(pickle.load(f))
+    return {k: round(v, 1) for k, v in sorted(found.items(), key=lambda kv: -kv[1])}
 
 
 def run(
@@ -158,7 +177,9 @@ def run(
         "fix_runtimes": fix_runtimes(names, progress),
     }  # fmt: skip
     if docs:
-        data["docs_build_seconds"] = docs_builds(progress, _module_file(names[0]))
+        builds, pages = docs_builds(progress, _module_file(names[0]))
+        data["docs_build_seconds"] = builds
+        data["docs_page_seconds"] = pages
     return data
 
 

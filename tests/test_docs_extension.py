@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import shutil
+import time
 
 import pytest
 
@@ -174,3 +175,57 @@ def test_case_toctree_check_uses_the_real_case_list():
     index = (ROOT / "docs" / "index.md").read_text()
     listed = [line.strip() for line in index.splitlines() if line.strip().startswith("cases/")]
     assert runbook_docs.case_toctree_problem(listed, runbook.case_names()) is None
+
+
+def test_the_extension_doctests_pass():
+    import doctest
+
+    failed, tried = doctest.testmod(runbook_docs)
+    assert tried >= 3
+    assert failed == 0
+
+
+def test_sphinx_starts_parallel_reads_in_the_order_asked(tmp_path: pathlib.Path):
+    """Sphinx's own task runner, with one worker, runs the chunks of `one_page_a_chunk` in
+    `read_order`'s order (it pops waiting tasks from the end: a Sphinx that changed this
+    would run the heaviest pages last)."""
+    from sphinx.util.parallel import ParallelTasks
+
+    log = tmp_path / "started"
+    order = runbook_docs.read_order(
+        ["status", "guide", "index", "cases/light", "cases/heavy", "versions"],
+        {"cases/heavy": 200.0, "cases/light": 40.0},
+    )
+    assert order == ["cases/heavy", "cases/light", "guide", "index", "versions", "status"]
+
+    def record(chunk: list[str]) -> None:
+        with log.open("a") as f:
+            f.write(chunk[0] + "\n")
+        time.sleep(0.3)  # a page outlasts queueing them all, as real pages do
+
+    for nproc in (1, 2):
+        log.write_text("")
+        tasks = ParallelTasks(nproc)
+        for chunk in runbook_docs.one_page_a_chunk(order, nproc):
+            tasks.add_task(record, chunk)
+        tasks.join()
+        started = log.read_text().split()
+        # Pages of equal length run in lockstep: with two workers, two at a time, in order.
+        pairs = [set(order[i : i + nproc]) for i in range(0, len(order), nproc)]
+        assert [set(started[i : i + nproc]) for i in range(0, len(order), nproc)] == pairs
+
+
+def test_reads_follow_the_last_build_then_the_benchmark(tmp_path: pathlib.Path):
+    docs = tmp_path / "docs"
+    (docs / "_data" / "bench").mkdir(parents=True)
+    (docs / "_data" / "bench" / "bench.json").write_text(
+        '{"docs_page_seconds": {"cases/a": 10, "cases/b": 99}}'
+    )
+    app = type("App", (), {"srcdir": str(docs)})()
+    first = type("Env", (), {})()
+    names = ["index", "cases/a", "cases/b"]
+    runbook_docs._order_reads(app, first, names)
+    assert names == ["cases/b", "cases/a", "index"]
+    rebuilt = type("Env", (), {"nb_metadata": {"cases/a": {"exec_data": {"runtime": 500.0}}}})()
+    runbook_docs._order_reads(app, rebuilt, names)
+    assert names == ["cases/a", "cases/b", "index"]

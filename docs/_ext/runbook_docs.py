@@ -272,19 +272,53 @@ def _priority(docname: str) -> int:
     return next((v for k, v in _ORDER.items() if docname.startswith(k)), 1)
 
 
-def one_page_a_chunk(arguments: Sequence[str], nproc: int, maxbatch: int = 10) -> list[list[str]]:
-    """Sphinx's parallel read, one page per task, heaviest first.
-
-    Sphinx splits the pages to read into equal runs of names in alphabetical order, which
-    puts every case page in the first worker's run while the others idle. Pages here take
-    seconds to minutes to execute, so each is a task of its own, and a worker that
-    finishes takes the next.
+def read_order(docnames: Sequence[str], seconds: Mapping[str, float]) -> list[str]:
+    """The order to execute pages in: case pages, other pages, then the pages that read every
+    case; within each, the longest first (by `seconds`, each page's last execution time).
 
     Examples:
-        >>> one_page_a_chunk(["status", "cases/b", "guide", "cases/a", "index"], 2)
-        [['cases/b'], ['cases/a'], ['guide'], ['index'], ['status']]
+        >>> read_order(["status", "index", "guide", "cases/a", "cases/b"], {"cases/b": 90})
+        ['cases/b', 'cases/a', 'guide', 'index', 'status']
     """
-    return [[doc] for doc in sorted(arguments, key=_priority)]
+    return sorted(docnames, key=lambda d: (_priority(d), -seconds.get(d, 0.0), d))
+
+
+def one_page_a_chunk(arguments: Sequence[str], nproc: int, maxbatch: int = 10) -> list[list[str]]:
+    """Sphinx's parallel read, one page per task, started in the order of `arguments`.
+
+    Sphinx splits the pages to read into equal runs of names, which can put every case page
+    in one worker's run while the others idle. Pages here take seconds to minutes, so each
+    is a task of its own and a worker that finishes takes the next. Sphinx's task runner
+    starts the first `nproc` tasks in the order given, then, as workers free up, the task
+    added last (it pops its waiting list from the end): the rest are handed over reversed.
+
+    Examples:
+        >>> one_page_a_chunk(["a", "b", "c", "d", "e"], 2)
+        [['a'], ['b'], ['e'], ['d'], ['c']]
+    """
+    pages = [[doc] for doc in arguments]
+    return pages[:nproc] + pages[nproc:][::-1]
+
+
+def page_seconds(env: Any) -> dict[str, float]:
+    """Each page's execution time in the build `env` last recorded (MyST-NB's data)."""
+    found = {}
+    for docname, data in getattr(env, "nb_metadata", {}).items():
+        runtime = (data.get("exec_data") or {}).get("runtime")
+        if runtime is not None:
+            found[docname] = float(runtime)
+    return found
+
+
+def _order_reads(app: Any, env: Any, docnames: list[str]) -> None:
+    # A rebuild knows each page's time from the build before; a first build takes the
+    # times of the cold build that the committed benchmark timed.
+    seconds = page_seconds(env)
+    if not seconds:
+        bench = pathlib.Path(app.srcdir) / "_data" / "bench" / "bench.json"
+        if bench.exists():
+            seconds = json.loads(bench.read_text()).get("docs_page_seconds", {})
+    docnames[:] = read_order(docnames, seconds)
 
 
 def _balance_parallel_reads() -> None:
@@ -296,6 +330,7 @@ def _balance_parallel_reads() -> None:
 def setup(app: Any) -> dict[str, Any]:
     _balance_parallel_reads()
     app.connect("env-get-outdated", _outdated)
+    app.connect("env-before-read-docs", _order_reads)
     app.connect("doctree-read", _record)
     app.connect("env-purge-doc", _purge)
     app.connect("env-merge-info", _merge)
