@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import inspect
 import pathlib
 import tempfile
@@ -15,7 +17,7 @@ from typing import Any
 
 import jax
 
-from . import _targets
+from . import _cache, _targets
 from ._buffers import Buffer, allocation_sizes, parse_dump
 from ._errors import DoesNotFitError, RunbookError
 from ._provenance import Provenance
@@ -158,27 +160,34 @@ def compile_fn(
     `DoesNotFitError` with the compiler's figures. With `unusable`, JAX's warnings that
     donated buffers were not usable are appended to it instead of being shown.
     """
+    lowered = lower_fn(fn, *args, target=target, unusable=unusable)
+    return compile_lowered(
+        lowered, name=_name(fn), compiler_options=compiler_options, target=target
+    )
+
+
+def _name(fn: Any) -> str:
+    return str(getattr(fn, "__name__", type(fn).__name__))
+
+
+def lower_fn(
+    fn: Callable[..., Any],
+    *args: Any,
+    target: str | None = None,
+    unusable: list[str] | None = None,
+) -> Any:
+    """Trace and lower `fn` for `args`, on `target`'s compile-only devices if given."""
     if target is not None:
         t = _targets.require(target)
         with _targets.compiling_for(t):
-            options = {**_targets.compiler_options(t), **(compiler_options or {})}
             placed = _targets.place(args, t, unsharded=not _is_pmap(fn))
-            compiled = compile_fn(fn, *placed, compiler_options=options, unusable=unusable)
-        platforms = {d.platform for d in _devices(compiled)}
-        if platforms - set(
-            t.device_platforms
-        ):  # e.g. a jax.pmap built without the target's devices
-            raise RunbookError(
-                f"`{getattr(fn, '__name__', 'fn')}` compiled for {', '.join(sorted(platforms))}, "
-                f"not for target {t.name!r}: build it on `runbook.target_devices({t.name!r}, n)`"
-            )
-        return compiled
+            return lower_fn(fn, *placed, unusable=unusable)
     lowerable = _lowerable(fn)
-    name = getattr(fn, "__name__", type(fn).__name__)
+    name = _name(fn)
     start_backend()
     try:
         with _collect_unusable(unusable):
-            lowered = lowerable.lower(*args)
+            return lowerable.lower(*args)
     except jax.errors.ConcretizationTypeError as e:  # also covers bool() of a tracer
         raise RunbookError(
             f"could not trace `{name}`: {_first_line(e)}. Likely cause: Python control flow "
@@ -187,6 +196,30 @@ def compile_fn(
         ) from e
     except (TypeError, ValueError) as e:  # shape and type errors found while tracing
         raise RunbookError(f"could not trace `{name}`: {_first_line(e, 300)}") from e
+
+
+def compile_lowered(
+    lowered: Any,
+    *,
+    name: str,
+    compiler_options: Mapping[str, Any] | None = None,
+    target: str | None = None,
+) -> Any:
+    """Compile what `lower_fn` lowered (for the same `target`); `name` labels errors."""
+    if target is not None:
+        t = _targets.require(target)
+        with _targets.compiling_for(t):
+            options = {**_targets.compiler_options(t), **(compiler_options or {})}
+            compiled = compile_lowered(lowered, name=name, compiler_options=options)
+        platforms = {d.platform for d in _devices(compiled)}
+        if platforms - set(
+            t.device_platforms
+        ):  # e.g. a jax.pmap built without the target's devices
+            raise RunbookError(
+                f"`{name}` compiled for {', '.join(sorted(platforms))}, "
+                f"not for target {t.name!r}: build it on `runbook.target_devices({t.name!r}, n)`"
+            )
+        return compiled
     try:
         return lowered.compile(dict(compiler_options or {}))
     except Exception as e:  # XLA reports bad options and failed compiles as plain errors
@@ -256,12 +289,45 @@ def measure(
         8388608
     """
     options = dict(compiler_options or {})
+    unusable: list[str] = []
+    lowered = lower_fn(fn, *args, target=target, unusable=unusable)
+    label = name or _name(fn)
+    compute = functools.partial(
+        _measure_lowered, lowered, label, options, buffers, target, tuple(unusable)
+    )
+    if _cache.directory() is None:
+        return compute()
+    # Keyed by the program itself (its lowered text, source locations included): the same
+    # program measured again, by another page or after an unrelated edit, is not recompiled.
+    request = {
+        "kind": "program", "program": program_hash(lowered), "name": label, "options": options,
+        "buffers": buffers, "target": target, "unusable": unusable,
+    }  # fmt: skip
+    return MemoryReport.from_record(_cache.cached(request, lambda: compute().to_record()))
+
+
+def program_hash(lowered: Any) -> str:
+    """A hash of a lowered program's text, with its source locations where JAX gives them."""
+    try:
+        text = lowered.as_text(debug_info=True)
+    except TypeError:  # releases before debug_info was an option
+        text = lowered.as_text()
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _measure_lowered(
+    lowered: Any,
+    name: str,
+    options: dict[str, Any],
+    buffers: bool,
+    target: str | None,
+    unusable: tuple[str, ...],
+) -> MemoryReport:
     with tempfile.TemporaryDirectory(prefix="runbook-dump-") as dump:
         if buffers:
-            options["xla_dump_to"] = dump
+            options = {**options, "xla_dump_to": dump}
         start = time.perf_counter()
-        unusable: list[str] = []
-        compiled = compile_fn(fn, *args, compiler_options=options, target=target, unusable=unusable)
+        compiled = compile_lowered(lowered, name=name, compiler_options=options, target=target)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()
         found = tuple(parse_dump(pathlib.Path(dump))) if buffers else ()
@@ -276,7 +342,7 @@ def measure(
         f"JAX warned: {text}" for text in unusable
     )
     return MemoryReport(
-        name=name or str(getattr(fn, "__name__", "fn")),
+        name=name,
         argument=int(stats.argument_size_in_bytes),
         output=int(stats.output_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),

@@ -181,3 +181,33 @@ def test_plot_draws_each_bar_at_its_total():
     assert sorted(ends.values()) == pytest.approx(
         sorted([donated.total / unit_scale, plain.total / unit_scale])
     )
+
+
+def _double(a):
+    return a * 2.0
+
+
+def _double_again(a):  # the same body on other source lines: another program
+    return a * 2.0
+
+
+def test_measure_reuses_a_program_already_compiled(monkeypatch, tmp_path):
+    from runbook import _measure
+
+    monkeypatch.setenv("RUNBOOK_CACHE_DIR", str(tmp_path))
+    compiles = []
+    real = _measure._measure_lowered
+    monkeypatch.setattr(_measure, "_measure_lowered", lambda *a: compiles.append(a[1]) or real(*a))
+    first = runbook.measure(_double, VEC)
+    again = runbook.measure(jax.jit(_double), VEC)  # a new jit of the same program
+    assert compiles == ["_double"]
+    assert again.total == first.total
+    assert again.name == first.name
+    runbook.measure(_double, jax.ShapeDtypeStruct((2 * N,), jnp.float32))
+    with_buffers = runbook.measure(_double, VEC, buffers=True)
+    runbook.measure(_double, VEC, target="h100")
+    assert len(compiles) == 4  # another shape, buffers asked for, another compiler
+    assert with_buffers.buffers
+    assert not first.buffers
+    lowered = [_measure.lower_fn(f, VEC) for f in (_double, _double_again)]
+    assert _measure.program_hash(lowered[0]) != _measure.program_hash(lowered[1])
