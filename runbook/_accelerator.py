@@ -24,10 +24,15 @@ CPU = "cpu"
 FITS, OVER_SHARE, TOO_BIG = "fits", "over the default share", "exceeds memory"
 
 
-# The targets every case page compiles for. TPU7x is left to the CLI and the API: its
-# compiler takes the longest of all (tens of seconds per case here), and a cold build of
-# the site must stay within its time budget.
-PAGE_TARGETS = ("h100", "h200", "a100", "l4", "t4", "v5e", "v5p", "v6e")
+# The targets every case page compiles for. TPU v5p, v6e and TPU7x are left to the CLI
+# and the API (`python -m runbook run CASE --target v6e`): their compilers take the longest
+# (several seconds per program here), and a cold build of the site must stay within its
+# time budget.
+PAGE_TARGETS = ("h100", "h200", "a100", "l4", "t4", "v5e")
+# The targets pages compare every variant on (and decide the claims on). The others get
+# the reproduction and the recommended fix: TPU compiles take seconds each, and every
+# variant on every target would take a cold build past its budget.
+CONTRAST = ("h100", "v5e")
 
 
 def available_targets(names: Sequence[str] | None = None) -> list[Target]:
@@ -61,6 +66,7 @@ def on_targets(
     at: Mapping[str, Any] | None = None,
     names: Sequence[str] | None = None,
     buffers: bool = True,
+    every_variant: Sequence[str] | None = CONTRAST,
 ) -> dict[str, CaseResult]:
     """The case on this backend and on each available target, at one grid point.
 
@@ -71,19 +77,33 @@ def on_targets(
         names: target names (default: every available target).
         buffers: keep each program's largest buffers (the default: `buffer_contrast` then
             reads them from the measurement cache instead of compiling again).
+        every_variant: the targets to compile every variant for (None: all of them); the
+            others get the reproduction and the recommended fix (`key_variants`).
 
     Returns:
         ``{"cpu": result, "h100": result, ...}``, this backend first.
     """
     here = measure_case(case, scale)
     point = dict(at) if at is not None else worst_point(here)
+    key = key_variants(here, point)
     if buffers:
         here = measure_case(case, scale, at=point, buffers=True)
     chosen = [t.name for t in available_targets(names)]
-    found = parallel(
-        lambda name: measure_case(case, scale, target=name, at=point, buffers=buffers), chosen
-    )
+
+    def one(name: str) -> CaseResult:
+        every = every_variant is None or name in every_variant
+        variants = None if every else key
+        return measure_case(case, scale, target=name, at=point, buffers=buffers, variants=variants)
+
+    found = parallel(one, chosen)
     return {CPU: _at(here, point), **dict(zip(chosen, found, strict=True))}
+
+
+def key_variants(result: CaseResult, params: Mapping[str, Any]) -> list[str]:
+    """The reproductions and the recommended fix of `result`'s case at `params`."""
+    names = [r.name for r in result.select(role="reproduction", **params)]
+    fix = recommended(result, params)
+    return names + ([fix.name] if fix is not None else [])
 
 
 def parallel(fn: Any, items: Sequence[Any]) -> list[Any]:
@@ -170,6 +190,9 @@ def target_table(results: Mapping[str, CaseResult]) -> Table:
     ]
     params = _params(first.reports[0].params if first.reports else first.skipped[0]["params"])
     p = first.provenance
+    partial = [
+        w for w, r in results.items() if w != CPU and len(r.reports) + len(r.skipped) < len(names)
+    ]
     caption = (
         f"Total bytes per device at {params}, scale {first.scale!r}. ✓ fits what a program may "
         f"use by default (GPU: the {_share()} JAX's allocator takes, {GPU_ALLOCATOR_SOURCE}; "
@@ -177,6 +200,12 @@ def target_table(results: Mapping[str, CaseResult]) -> Table:
         f"exceeds the memory. First column: this machine, {p.label()}. Other columns: compiled "
         "here by each target's own XLA compiler, without the device: predictions, not runs."
     )
+    if partial:
+        caption += (
+            f" For {', '.join(partial)}, the page compiles the reproduction and the recommended "
+            f"fix only (-: not compiled); `python -m runbook run {first.case} --target NAME` "
+            "compiles every variant."
+        )
     return Table(["variant", "role", *(_column(w, r) for w, r in results.items())], rows, caption)
 
 
@@ -442,7 +471,7 @@ def claims_matrix(found: Mapping[str, list[Claim] | str]) -> Table:
     )
 
 
-def accelerator_report(case: str, *, contrast: Sequence[str] = ("h100", "v5e")) -> list[Any]:
+def accelerator_report(case: str, *, contrast: Sequence[str] = CONTRAST) -> list[Any]:
     """Everything a case page's "On your accelerator" section shows, in order.
 
     The targets' memory; the variants' totals per device on this backend and on every
@@ -479,9 +508,7 @@ class Html(str):
         return str(self)
 
 
-def case_table(
-    names: Sequence[str] | None = None, *, compare: Sequence[str] = ("h100", "v5e")
-) -> Html:
+def case_table(names: Sequence[str] | None = None, *, compare: Sequence[str] = CONTRAST) -> Html:
     """The landing page's table: per case, the reproduction against the recommended fix at
     the reproduction's worst point, on this machine and on each target in `compare`."""
     import html

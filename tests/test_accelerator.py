@@ -38,6 +38,20 @@ def test_target_table_has_a_column_per_compiler_and_marks_fit():
     assert "prediction" in table.caption
 
 
+def test_targets_outside_the_contrast_get_the_reproduction_and_the_recommended_fix():
+    results = runbook.site.on_targets("gather-grad", scale="tiny", names=["h100", "a100"])
+    every = {r.name for r in results["cpu"].reports}
+    assert {r.name for r in results["h100"].reports} == every
+    assert {r.name for r in results["a100"].reports} == {"grad", "grad-chunked"} < every
+    table = runbook.site.target_table(results)
+    assert "For a100, the page compiles the reproduction and the recommended fix" in table.caption
+    forward = next(row for row in table.rows if row[0] == "forward")
+    assert forward[-1] == "-"
+    assert forward[-2] != "-"
+    full = runbook.site.on_targets("gather-grad", scale="tiny", names=["a100"], every_variant=None)
+    assert {r.name for r in full["a100"].reports} == every
+
+
 def test_a_program_too_big_for_a_chip_shows_the_compilers_count():
     results = runbook.site.on_targets("gather-grad", names=["v5e"], at={"index_dtype": "int32"})
     cells = [row[-1] for row in runbook.site.target_table(results).rows]
