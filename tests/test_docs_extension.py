@@ -185,6 +185,8 @@ def test_the_extension_doctests_pass():
     assert failed == 0
 
 
+# The forks run no JAX; JAX, loaded by earlier tests, warns on any fork all the same.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_sphinx_starts_parallel_reads_in_the_order_asked(tmp_path: pathlib.Path):
     """Sphinx's own task runner, with one worker, runs the chunks of `one_page_a_chunk` in
     `read_order`'s order (it pops waiting tasks from the end: a Sphinx that changed this
