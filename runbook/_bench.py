@@ -150,13 +150,18 @@ def docs_builds(
 def _page_seconds(doctrees: pathlib.Path) -> dict[str, float]:
     """Each page's execution time in the build whose environment is in `doctrees`, longest
     first (the docs extension reads it to start the longest pages of a first build first)."""
+    import importlib.util
     import pickle
 
-    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
-    from runbook_docs import page_seconds
-
+    spec = importlib.util.spec_from_file_location(
+        "runbook_docs", ROOT / "docs" / "_ext" / "runbook_docs.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    docs_ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs_ext)
     with (doctrees / "environment.pickle").open("rb") as f:
-        found = page_seconds(pickle.load(f))
+        found = docs_ext.page_seconds(pickle.load(f))
     return {k: round(v, 1) for k, v in sorted(found.items(), key=lambda kv: -kv[1])}
 
 
