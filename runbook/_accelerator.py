@@ -1,4 +1,4 @@
-"""On your accelerator: a case's variants on CPU and compiled for every GPU and TPU target.
+"""On your accelerator: a case's variants on CPU and compiled for GPU and TPU targets.
 
 Every figure for a target is a compile-time prediction made on this machine by that
 target's own XLA compiler (see `runbook.targets()`); nothing ran on the device.
