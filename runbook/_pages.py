@@ -216,7 +216,8 @@ def bench_report(path: str | None = None) -> list[Any]:
                 ]
                 for c, r in data["fix_runtimes"].items()
             ],
-            "Each variant executed for real in a fresh process, best of three timed runs.",
+            "Each variant executed for real in a fresh process; the fastest of up to three timed "
+            "runs, fewer once they add up to a second.",
         ),
     ]
     builds = data.get("docs_build_seconds")
