@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import runpy
 import shutil
+import time
 from pathlib import Path
 
 import nox
@@ -86,6 +87,7 @@ def versions(session: nox.Session, release: str) -> None:
 
     Writes docs/_data/versions/<release>.json; `nox -s "versions(0.4.30)"` runs one release.
     """
+    started = time.time()  # the file records the session's time, installs included
     # optax: the frozen-params case's train steps (the resolver picks a release that fits).
     session.install(f"jax=={release}", f"jaxlib=={release}", "numpy", "optax")
     session.install("--no-deps", "-e.")  # matplotlib is only needed to plot, not to measure
@@ -95,7 +97,7 @@ def versions(session: nox.Session, release: str) -> None:
         session.log(f"no jax-cuda12-plugin {release}: its GPU targets are recorded as such")
     # jaxlib 0.4.35 finds ptxas only in a regular `nvidia.cuda_nvcc` package, which the
     # current wheel is not (a namespace package); CUDA_ROOT is the path jaxlib checks first.
-    env = dict(CPU_ONLY)
+    env = {**CPU_ONLY, "RUNBOOK_SESSION_STARTED": repr(started)}
     nvcc = sorted(
         Path(session.virtualenv.location).glob("lib/python*/site-packages/nvidia/cuda_nvcc")
     )

@@ -310,11 +310,15 @@ def run_matrix(
 
 def merge(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """`old` release file with the cases `new` measured replaced or added (the same release);
-    provenance and time are `new`'s, the elapsed seconds add up."""
+    provenance and date are `new`'s, the measuring and session seconds add up."""
     if old["jax"] != new["jax"]:
         raise RunbookError(f"cannot merge jax {new['jax']}'s cases into jax {old['jax']}'s file")
     merged = {**new, "cases": {**old["cases"], **new["cases"]}}
-    merged["elapsed_seconds"] = round(old["elapsed_seconds"] + new["elapsed_seconds"], 1)
+    for key in ("elapsed_seconds", "session_seconds"):
+        if key in old and key in new:
+            merged[key] = round(old[key] + new[key], 1)
+        else:  # a file written outside `nox -s versions` has no session time
+            merged.pop(key, None)
     targets = {}
     for name in {*old.get("targets", {}), *new.get("targets", {})}:
         before, after = old.get("targets", {}).get(name), new.get("targets", {}).get(name)
@@ -356,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunbookError as e:
         print(f"runbook: error: {e}", file=sys.stderr)
         return 2
+    started = os.environ.get("RUNBOOK_SESSION_STARTED")  # set by `nox -s versions`
+    if started:
+        data["session_seconds"] = round(time.time() - float(started), 1)
     out = pathlib.Path(args.out)
     if args.case and out.exists():
         data = merge(json.loads(out.read_text()), data)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import runbook
+import runbook.site
 from runbook import _matrix
 from runbook._case import Case, Variant
 from runbook._errors import RunbookError
@@ -124,7 +126,8 @@ def test_children_measure_what_measure_case_measures():
 
 # The committed matrix.
 
-REQUIRED = ("jax", "jaxlib", "backend", "generated", "machine", "host", "cases")
+REQUIRED = ("jax", "jaxlib", "backend", "generated", "machine", "host", "elapsed_seconds",
+            "session_seconds", "cases")  # fmt: skip
 CASE_KEYS = ("case", "scale", "backend", "jax", "jaxlib", "device_kind", "devices", "machine",
              "generated", "variants", "skipped")  # fmt: skip
 
@@ -224,5 +227,32 @@ def test_merging_a_cases_run_into_a_release_file_keeps_the_others():
     assert merged["cases"] == {"a": 1, "b": 3, "c": 4}
     assert merged["targets"]["h100"]["cases"] == {"a": 1, "b": 3, "c": 4}
     assert merged["elapsed_seconds"] == 15.0
+    assert "session_seconds" not in merged  # neither run recorded one
+    timed = _matrix.merge({**old, "session_seconds": 40.0}, {**new, "session_seconds": 20.0})
+    assert timed["session_seconds"] == 60.0
+    # A run outside nox has no session time: the sum would be short, so the file has none.
+    assert "session_seconds" not in _matrix.merge(old, {**new, "session_seconds": 20.0})
     with pytest.raises(RunbookError, match="cannot merge"):
         _matrix.merge(old, {**new, "jax": "2"})
+
+
+def test_main_records_the_session_time_that_nox_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(_matrix, "run_matrix", lambda *a, **k: {"jax": "1", "cases": {}})
+    out = tmp_path / "1.json"
+    monkeypatch.delenv("RUNBOOK_SESSION_STARTED", raising=False)
+    assert _matrix.main(["--out", str(out)]) == 0
+    assert "session_seconds" not in json.loads(out.read_text())
+    monkeypatch.setenv("RUNBOOK_SESSION_STARTED", repr(time.time() - 30))
+    assert _matrix.main(["--out", str(out)]) == 0
+    assert 30 <= json.loads(out.read_text())["session_seconds"] < 60
+
+
+def test_matrix_time_adds_up_what_the_files_recorded():
+    a = {"elapsed_seconds": 60.0, "session_seconds": 90.0}
+    b = {"elapsed_seconds": 120.0, "session_seconds": 150.0}
+    assert runbook.site.matrix_time([a, b]) == (
+        "Measuring took 3.0 min over 2 releases; the sessions, installing each environment, "
+        "took 4.0 min."
+    )
+    partial = runbook.site.matrix_time([a, {"elapsed_seconds": 120.0}])
+    assert partial.startswith("Measuring took 3.0 min over 2 releases, plus installing")
