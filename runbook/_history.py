@@ -412,8 +412,8 @@ def releases_table(releases: Sequence[Mapping[str, Any]]) -> Table:
          "targets"],
         rows,
         f"One file per release in docs/_data/versions/; each program limited to {limit:g} s "
-        "of compile time. Session: the release's whole `nox -s versions` session, its "
-        "environment's installs included.",
+        "of compile time. Session: the release's `nox -s versions` session from its first "
+        "install to its file written.",
     )  # fmt: skip
 
 
