@@ -66,8 +66,12 @@ class GpuSpec:
     l2_cache: int  # bytes
     clock_ghz: float  # boost clock
 
-    def target_config(self, name: str, memory: int) -> str:
-        """The ``GpuTargetConfigProto`` in text format."""
+    def target_config(self, name: str, memory: int, *, thread_dims: bool = True) -> str:
+        """The ``GpuTargetConfigProto`` in text format.
+
+        `thread_dims=False` leaves out the per-dimension thread limits, fields that GPU
+        compilers before jaxlib 0.10 do not know (and so refuse the whole text).
+        """
         arch = _ARCH[self.compute_capability]
         major, minor = self.compute_capability
         fields = {
@@ -82,9 +86,6 @@ class GpuSpec:
             "block_dim_limit_x": 2**31 - 1,
             "block_dim_limit_y": 65535,
             "block_dim_limit_z": 65535,
-            "thread_dim_limit_x": 1024,
-            "thread_dim_limit_y": 1024,
-            "thread_dim_limit_z": 64,
             "memory_bandwidth": int(self.memory_bandwidth),
             "l2_cache_size": self.l2_cache,
             "clock_rate_ghz": self.clock_ghz,
@@ -92,6 +93,8 @@ class GpuSpec:
             "registers_per_core_limit": arch.registers_per_core,
             "registers_per_block_limit": 65536,
         }
+        if thread_dims:
+            fields.update(thread_dim_limit_x=1024, thread_dim_limit_y=1024, thread_dim_limit_z=64)
         body = "\n".join(f"  {k}: {v}" for k, v in fields.items())
         return (
             f"gpu_device_info {{\n{body}\n"
@@ -307,6 +310,21 @@ def _ensure_cuda_plugin() -> None:
     )
 
 
+def _gpu_topology(target: Target, shape: str) -> Any:
+    from jax.experimental import topologies
+
+    assert target.gpu is not None
+    try:
+        config = target.gpu.target_config(target.label, target.memory)
+        return topologies.get_topology_desc(platform="cuda", target_config=config, topology=shape)
+    except Exception as e:  # jaxlib's XlaRuntimeError, whose module moved between releases
+        if "Failed to parse GpuTargetConfigProto" not in str(e):
+            raise
+    # An older compiler: the same facts without the fields it does not know.
+    config = target.gpu.target_config(target.label, target.memory, thread_dims=False)
+    return topologies.get_topology_desc(platform="cuda", target_config=config, topology=shape)
+
+
 @functools.cache
 def _devices(name: str, count: int) -> tuple[Any, ...]:
     from jax.experimental import topologies
@@ -315,11 +333,7 @@ def _devices(name: str, count: int) -> tuple[Any, ...]:
     if target.gpu is not None:
         _ensure_cuda_plugin()
         hosts, per_host = (1, count) if count <= 8 else (count // 8, 8)
-        topo = topologies.get_topology_desc(
-            platform="cuda",
-            target_config=target.gpu.target_config(target.label, target.memory),
-            topology=f"1x{hosts}x{per_host}",
-        )
+        topo = _gpu_topology(target, f"1x{hosts}x{per_host}")
     else:
         assert target.tpu is not None
         for key, value in own_env().items():

@@ -71,6 +71,38 @@ def test_cpu_and_h100_figures_differ_for_gather_grad():
     assert h100.temp < cpu.temp / 10
 
 
+def test_an_older_gpu_compiler_gets_the_facts_it_knows(monkeypatch):
+    # jaxlib 0.8 and 0.9 refuse a target text that names the per-dimension thread limits.
+    from jax.experimental import topologies
+
+    seen = []
+
+    def get_topology_desc(*, platform, target_config, topology):
+        seen.append(target_config)
+        if "thread_dim_limit" in target_config:
+            raise RuntimeError("Failed to parse GpuTargetConfigProto from the 'target_config'")
+        return "older"
+
+    monkeypatch.setattr(topologies, "get_topology_desc", get_topology_desc)
+    h100 = _targets.require("h100")
+    assert _targets._gpu_topology(h100, "1x1x1") == "older"
+    assert "thread_dim_limit_z: 64" in seen[0]
+    assert seen[1] == seen[0].replace(
+        "  thread_dim_limit_x: 1024\n  thread_dim_limit_y: 1024\n  thread_dim_limit_z: 64\n", ""
+    )
+
+
+def test_a_gpu_topology_error_other_than_parsing_is_raised(monkeypatch):
+    from jax.experimental import topologies
+
+    def get_topology_desc(**kwargs):
+        raise RuntimeError("No visible GPU devices.")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", get_topology_desc)
+    with pytest.raises(RuntimeError, match="No visible GPU"):
+        _targets._gpu_topology(_targets.require("h100"), "1x1x1")
+
+
 def test_gpu_targets_differ_only_where_the_hardware_does():
     a100 = runbook.measure(jax.grad(loss), X, IDX, target="a100")
     h100 = runbook.measure(jax.grad(loss), X, IDX, target="h100")
