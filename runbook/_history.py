@@ -418,8 +418,8 @@ def releases_table(releases: Sequence[Mapping[str, Any]]) -> Table:
 
 
 def matrix_time(releases: Sequence[Mapping[str, Any]]) -> str:
-    """How long the committed matrix took: measuring, and the whole `nox -s versions` run
-    with each environment's installs where the files recorded it."""
+    """How long the committed matrix took: measuring, and the `nox -s versions` sessions that
+    wrote the files, installs included, where every file recorded its session."""
     measuring = sum(r["elapsed_seconds"] for r in releases)
     text = f"Measuring took {measuring / 60:.1f} min over {len(releases)} releases"
     if releases and all("session_seconds" in r for r in releases):
