@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -147,21 +148,27 @@ def docs_builds(
         return out, pages
 
 
-def _page_seconds(doctrees: pathlib.Path) -> dict[str, float]:
-    """Each page's execution time in the build whose environment is in `doctrees`, longest
-    first (the docs extension reads it to start the longest pages of a first build first)."""
+def docs_extension() -> types.ModuleType:
+    """The docs' own Sphinx extension, loaded from docs/_ext (it is not a package module)."""
     import importlib.util
-    import pickle
 
     spec = importlib.util.spec_from_file_location(
         "runbook_docs", ROOT / "docs" / "_ext" / "runbook_docs.py"
     )
     assert spec is not None
     assert spec.loader is not None
-    docs_ext = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(docs_ext)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _page_seconds(doctrees: pathlib.Path) -> dict[str, float]:
+    """Each page's execution time in the build whose environment is in `doctrees`, longest
+    first (the docs extension reads it to start the longest pages of a first build first)."""
+    import pickle
+
     with (doctrees / "environment.pickle").open("rb") as f:
-        found = docs_ext.page_seconds(pickle.load(f))
+        found = docs_extension().page_seconds(pickle.load(f))
     return {k: round(v, 1) for k, v in sorted(found.items(), key=lambda kv: -kv[1])}
 
 

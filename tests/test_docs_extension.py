@@ -4,21 +4,16 @@ the case list."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import shutil
 import time
 
 import pytest
 
+from runbook._bench import docs_extension
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "runbook_docs", ROOT / "docs" / "_ext" / "runbook_docs.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-runbook_docs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runbook_docs)
+runbook_docs = docs_extension()
 
 JAX = {
     "jax": "1",
