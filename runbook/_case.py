@@ -341,10 +341,11 @@ def _measure_variants(
                     progress(f"{case.name} {variant.name} {params}: {got['skipped']['status']}")
                 continue
             report = MemoryReport.from_record(got["report"])
-            if not buffers:
-                report = dataclasses.replace(report, buffers=())
             floor = case.floor(variant, size, params) if case.floor else None
-            report = dataclasses.replace(report, role=variant.role, params=params, floor=floor)
+            report = dataclasses.replace(
+                report, role=variant.role, params=params, floor=floor,
+                buffers=report.buffers if buffers else (),
+            )  # fmt: skip
             if case.figures is not None and target is None and compiler_options is None:
                 report = dataclasses.replace(
                     report, figures=_figures(case, scale, variant, size, params)

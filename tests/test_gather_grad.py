@@ -100,3 +100,12 @@ def test_chunk_must_divide_rows():
 def test_manual_gradient_equals_jax_grad():
     x, idx = gather_grad._args(CASE.scales["tiny"], {"index_dtype": "int32"}, True)
     assert jax.numpy.allclose(gather_grad.manual_grad(x, idx), jax.grad(loss)(x, idx))
+
+
+def test_one_compile_answers_with_and_without_buffers():
+    # A case program is compiled once, with its buffers; a request without them gets none.
+    plain = runbook.measure_case("gather-grad", "tiny")
+    full = runbook.measure_case("gather-grad", "tiny", buffers=True)
+    assert [r.total for r in plain.reports] == [r.total for r in full.reports]
+    assert all(not r.buffers for r in plain.reports)
+    assert all(r.buffers for r in full.reports)
