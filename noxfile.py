@@ -26,14 +26,27 @@ PROJECT = nox.project.load_toml("pyproject.toml")
 CPU_ONLY = {"JAX_PLATFORMS": "cpu"}
 
 
+# The one list of releases and tested ends lives in the package; read it without importing
+# JAX into nox's Python.
+RELEASES = runpy.run_path(str(ROOT / "runbook" / "_releases.py"))
+ENDS = RELEASES["TESTED"]  # {"oldest": (python, jax), "newest": (python, jax)}
+
+
 @nox.session
-def tests(session: nox.Session) -> None:
-    """Run the test suite (pass pytest options after --)."""
-    session.install("-e.[targets]", *nox.project.dependency_groups(PROJECT, "test"))
+@nox.parametrize(("python", "release"), [ENDS["oldest"], ENDS["newest"]], ids=["oldest", "newest"])
+def tests(session: nox.Session, release: str) -> None:
+    """Run the test suite at both ends of the tested range (pass pytest options after --).
+
+    `nox -s "tests(oldest)"` or `nox -s "tests(newest)"` runs one end.
+    """
+    session.install(
+        "-e.[targets]", f"jax=={release}", f"jaxlib=={release}",
+        *nox.project.dependency_groups(PROJECT, "test"),
+    )  # fmt: skip
     session.run("pytest", *session.posargs, env=CPU_ONLY)
 
 
-@nox.session(default=False)
+@nox.session(default=False, python=ENDS["newest"][0])
 def docs(session: nox.Session) -> None:
     """Build the site, executing every page.
 
@@ -74,17 +87,18 @@ def lint(session: nox.Session) -> None:
     session.run("mypy", env=CPU_ONLY)
 
 
-def _releases() -> tuple[str, ...]:
-    # The one list lives in the package; read it without importing JAX into nox's Python.
-    return tuple(runpy.run_path(str(ROOT / "runbook" / "_releases.py"))["RELEASES"])
-
-
 @nox.session(default=False)
-@nox.parametrize("release", _releases(), ids=_releases())
+@nox.parametrize(
+    ("python", "release"),
+    [(RELEASES["python_for"](r), r) for r in RELEASES["RELEASES"]],
+    ids=list(RELEASES["RELEASES"]),
+)
 def versions(session: nox.Session, release: str) -> None:
     """Measure every case in a fresh environment per JAX release (`-- --time-limit 120`), on
     CPU and compiled for an H100 where that release's GPU compiler is published.
 
+    Each release runs on a Python it publishes wheels for (3.12 or newer from jax 0.11 on);
+    where that Python is not on the machine, nox says so in one line and skips the release.
     Writes docs/_data/versions/<release>.json; `nox -s "versions(0.4.30)"` runs one release.
     """
     started = time.time()  # the file records the session's time, installs included

@@ -265,14 +265,20 @@ def measure_case(
         buffers: keep the largest buffers of each program (root-cause evidence).
         variants: only these variants (default: all).
         at: only the grid points whose params include these, e.g. ``{"iterations": 32}``.
-        compiler_options: XLA options replacing the case's own (``{}``: XLA's defaults).
+        compiler_options: XLA options replacing the case's own (``{}``: XLA's defaults);
+            compiled in a fresh process, so that an option crashing XLA cannot end this one.
         progress: called with a line per measured program.
+
+    Raises:
+        _subprocess.ChildCrashed: XLA crashed compiling with `compiler_options`.
     """
     case = get_case(name)
     case.scale(scale)
     for v in variants or ():
         case.variant(v)
-    if target is None and _needs_child(case):
+    # Options other than the case's own are a trial, and some options crash XLA's compiler:
+    # those compile in a child, whose crash the caller gets as `_subprocess.ChildCrashed`.
+    if target is None and (compiler_options is not None or _needs_child(case)):
         data = _subprocess.call(
             "runbook._case:_measure_json",
             devices=case.devices,

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import __version__, _matrix
+from . import __version__, _matrix, _subprocess
 from ._case import case_names, get_case, measure_case
 from ._errors import RunbookError, WontFitError
 from ._provenance import Provenance
@@ -132,9 +132,11 @@ def measure_runtime(name: str, scale: str, result: Mapping[str, Any]) -> list[di
         except WontFitError as e:
             peaks.append({**base, "status": "won't fit", "reason": _matrix.one_line(str(e))})
             continue
-        except (RunbookError, subprocess.TimeoutExpired) as e:
-            last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            peaks.append({**base, "status": "failed", "reason": _matrix.one_line(last)})
+        except RunbookError as e:  # a crash on the device is a result, like a refusal
+            peaks.append({**base, "status": "failed", "reason": _subprocess.failure(e)})
+            continue
+        except subprocess.TimeoutExpired:
+            peaks.append({**base, "status": "failed", "reason": "TimeoutExpired"})
             continue
         peaks.append({
             **base, "status": "ok", "predicted": peak.predicted, "measured": peak.measured,

@@ -14,6 +14,7 @@ from typing import Any
 
 from ._case import CaseResult
 from ._errors import RunbookError
+from ._releases import release_key
 from ._render import Table, _unit, fmt_bytes
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "docs" / "_data"
@@ -27,11 +28,6 @@ class Note(str):
 
     def _repr_markdown_(self) -> str:
         return str(self)
-
-
-def release_key(version: str) -> tuple[int, ...]:
-    """Sort key for release strings: ``release_key("0.10.2") > release_key("0.9.2")``."""
-    return tuple(int(p) if p.isdigit() else -1 for p in version.split("."))
 
 
 def load_versions(data_dir: str | pathlib.Path | None = None) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.metadata
 import json
 import os
@@ -27,14 +28,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import __version__, _subprocess
-from ._case import Case, Variant, case_names, get_case
+from ._case import _CASES, Case, Variant, case_names, get_case
 from ._errors import DoesNotFitError, RunbookError
 from ._measure import measure
 from ._provenance import Provenance
+from ._subprocess import failure, one_line
 
 STATUSES = ("ok", "not applicable", "does not fit", "failed", "timeout", "not attempted")
 # Seconds one program may take to compile (process start and JAX import included).
 TIME_LIMIT = 240.0
+# Seconds one case's claims may take to decide (they measure the case and more).
+CLAIMS_TIME_LIMIT = 900.0
 
 
 def host() -> dict[str, Any]:
@@ -51,14 +55,6 @@ def host() -> dict[str, Any]:
     except (OSError, StopIteration):  # not Linux: the platform module's answer will do
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory}
-
-
-def one_line(text: str, limit: int = 300) -> str:
-    """The first non-empty line of `text`, cut to `limit` characters."""
-    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
-    # XLA appends the whole offending HLO instruction; the sentence before it is the reason.
-    line = line.split(" This error occurred for ")[0]
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _measure_point(
@@ -121,9 +117,8 @@ def measure_point(
         reason = f"did not compile within the {time_limit:g} s limit"
         return _unmeasured(variant, params, "timeout", reason, round(time_limit, 3)), None
     except RunbookError as e:  # the child died (a crash, out of memory): its last words
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else "no output"
         seconds = round(time.perf_counter() - start, 3)
-        return _unmeasured(variant, params, "failed", one_line(last), seconds), None
+        return _unmeasured(variant, params, "failed", failure(e), seconds), None
     if reply["status"] == "ok":
         return {**reply["entry"], "status": "ok"}, reply["provenance"]
     seconds = round(time.perf_counter() - start, 3)
@@ -235,6 +230,41 @@ def run_case(
     }  # fmt: skip
 
 
+def _claims(name: str) -> list[dict[str, str]]:
+    """In the child: case `name`'s claims, decided on this release's CPU at the seed scale."""
+    module = importlib.import_module(_CASES[name])
+    return [dataclasses.asdict(c) for c in module.claims()]
+
+
+def run_claims(
+    names: Sequence[str],
+    *,
+    time_limit: float = CLAIMS_TIME_LIMIT,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Each case's claims with this release's verdicts, each case in a fresh process.
+
+    ``{"generated", "cases": {name: {"status", "claims" or "reason", "seconds"}}}``; a case
+    whose claims crash XLA, fail or run out of time is recorded with that status.
+    """
+    out: dict[str, Any] = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            found = {"status": "ok", "claims": _subprocess.call(
+                "runbook._matrix:_claims", devices=get_case(name).devices, timeout=time_limit,
+                name=name)}  # fmt: skip
+        except subprocess.TimeoutExpired:
+            found = {"status": "timeout", "reason": f"not decided within {time_limit:g} s"}
+        except RunbookError as e:
+            found = {"status": "failed", "reason": failure(e)}
+        found["seconds"] = round(time.perf_counter() - start, 1)
+        out[name] = found
+        if progress:
+            progress(f"claims {name}: {found['status']} ({found['seconds']} s)")
+    return {"generated": Provenance.current().date, "cases": out}
+
+
 TARGETS = ("h100",)
 
 
@@ -258,8 +288,7 @@ def probe_target(target: str, time_limit: float = TIME_LIMIT) -> dict[str, Any]:
         return {"status": "timeout", "reason": "the probe did not compile in time",
                 "compiler": compiler}  # fmt: skip
     except RunbookError as e:
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else "no output"
-        return {"status": "failed", "reason": one_line(last), "compiler": compiler}
+        return {"status": "failed", "reason": failure(e), "compiler": compiler}
     return {"status": "ok", "reason": "", "compiler": compiler}
 
 
@@ -298,13 +327,14 @@ def run_matrix(
                 for name in names
             }  # fmt: skip
         on_targets[target] = found
+    claims = run_claims(names, progress=progress)
     p = Provenance.current()
     return {
         "jax": p.jax, "jaxlib": p.jaxlib, "backend": p.backend, "device_kind": p.device_kind,
         "generated": p.date, "machine": p.machine, "host": host(), "runbook": __version__,
         "scale": scale, "time_limit_seconds": time_limit,
         "elapsed_seconds": round(time.perf_counter() - start, 1), "cases": results,
-        "targets": on_targets,
+        "targets": on_targets, "claims": claims,
     }  # fmt: skip
 
 
@@ -327,6 +357,10 @@ def merge(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
         else:
             targets[name] = {**after, "cases": {**before.get("cases", {}), **after["cases"]}}
     merged["targets"] = targets
+    if "claims" in old or "claims" in new:
+        before, after = old.get("claims", {}), new.get("claims", {})
+        merged["claims"] = {**before, **after,
+                            "cases": {**before.get("cases", {}), **after.get("cases", {})}}  # fmt: skip
     return merged
 
 
@@ -350,12 +384,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--target", action="append", help=f"compile for this target too (default: {TARGETS})"
     )
+    parser.add_argument(
+        "--claims-only", action="store_true",
+        help="decide only the claims, and add them to the existing --out file of this release",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    progress = lambda line: print(line, file=sys.stderr, flush=True)
+    out = pathlib.Path(args.out)
+    if args.claims_only:
+        if not out.exists():
+            print(f"runbook: error: --claims-only needs an existing --out file: {out}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        data = json.loads(out.read_text())
+        found = run_claims(args.case or case_names(), progress=progress)
+        if args.case:  # the other cases' claims stay
+            found["cases"] = {**data.get("claims", {}).get("cases", {}), **found["cases"]}
+        print(write_json({**data, "claims": found}, out))
+        return 0
     try:
         data = run_matrix(
             args.case, scale=args.scale, time_limit=args.time_limit,
             targets=args.target or TARGETS,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            progress=progress,
         )  # fmt: skip
     except RunbookError as e:
         print(f"runbook: error: {e}", file=sys.stderr)
@@ -363,7 +414,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = os.environ.get("RUNBOOK_SESSION_STARTED")  # set by `nox -s versions`
     if started:
         data["session_seconds"] = round(time.time() - float(started), 1)
-    out = pathlib.Path(args.out)
     if args.case and out.exists():
         data = merge(json.loads(out.read_text()), data)
     print(write_json(data, out))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import _subprocess
 from ._case import CaseResult, get_case, measure_case
 from ._measure import YNN_OPTION
 from ._render import Table, fmt_bytes
@@ -120,10 +121,15 @@ def ynn_accounting(
     at = dict(at) if at is not None else dict(c.grid(c.scale("seed"))[0])
     run_scale = run_scale or c.runnable_scale
     run_at = dict(run_at) if run_at is not None else _runnable_point(case, run_scale, at)
-    compiled = {
-        label: measure_case(case, "seed", compiler_options=o, variants=variants, at=at)
-        for label, o in (("defaults", {}), ("off", off))
-    }
+    try:
+        compiled = {
+            label: measure_case(case, "seed", compiler_options=o, variants=variants, at=at)
+            for label, o in (("defaults", {}), ("off", off))
+        }
+    except _subprocess.ChildCrashed as e:  # a finding about this jaxlib, not a broken page
+        return Table(["variant", "verdict"], [[", ".join(variants), _subprocess.failure(e)]],
+                     f"Compiled at scale 'seed' ({_params(at)}) with XLA's defaults and with "
+                     f"compiler_options={{{YNN_OPTION!r}: ''}}.")  # fmt: skip
     rows = []
     method = ""
     for name in variants:

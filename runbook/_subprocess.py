@@ -7,8 +7,10 @@ and measuring a real peak, which must not be polluted by anything this process d
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -17,6 +19,43 @@ from typing import Any
 from ._errors import RunbookError, WontFitError
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+class ChildCrashed(RunbookError):
+    """The child was killed by a signal: a crash inside XLA (or an out-of-memory kill), which
+    the callers record as a result rather than let take their own process down.
+
+    Attributes:
+        signal_name: e.g. ``"SIGFPE"``.
+    """
+
+    def __init__(self, target: str, signal_name: str, tail: str) -> None:
+        super().__init__(f"child process for {target} crashed ({signal_name}):\n{tail}")
+        self.signal_name = signal_name
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """The first non-empty line of `text`, cut to `limit` characters."""
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    # XLA appends the whole offending HLO instruction; the sentence before it is the reason.
+    line = line.split(" This error occurred for ")[0]
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def failure(e: RunbookError) -> str:
+    """One line for a child that did not answer: the crash, or the child's last words."""
+    if isinstance(e, ChildCrashed):
+        # The children compile and measure: a signal there comes from XLA (or the OOM killer).
+        return f"XLA crashed ({e.signal_name}), jaxlib {importlib.metadata.version('jaxlib')}"
+    lines = str(e).strip().splitlines()
+    return one_line(lines[-1] if lines else "no output")
+
+
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
 
 
 def child_env(devices: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -34,7 +73,13 @@ def child_env(devices: int = 1, extra: Mapping[str, str] | None = None) -> dict[
 
 
 def call(target: str, /, *, devices: int = 1, timeout: float = 1800, **kwargs: Any) -> Any:
-    """Call ``module:function`` with JSON-able `kwargs` in a fresh process; return its JSON."""
+    """Call ``module:function`` with JSON-able `kwargs` in a fresh process; return its JSON.
+
+    Raises:
+        ChildCrashed: the child died by a signal (SIGFPE, SIGSEGV, SIGABRT, SIGKILL, ...).
+        RunbookError: it exited with an error, or raised one (its message).
+        subprocess.TimeoutExpired: it ran past `timeout` seconds and was killed.
+    """
     request = json.dumps({"target": target, "kwargs": kwargs})
     proc = subprocess.run(
         [sys.executable, "-m", "runbook._subprocess", request],
@@ -45,8 +90,10 @@ def call(target: str, /, *, devices: int = 1, timeout: float = 1800, **kwargs: A
         check=False,
     )
     lines = proc.stdout.strip().splitlines()
+    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+    if proc.returncode < 0:
+        raise ChildCrashed(target, _signal_name(proc.returncode), tail)
     if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise RunbookError(f"child process for {target} failed (exit {proc.returncode}):\n{tail}")
     reply = json.loads(lines[-1])
     if "error" in reply:

@@ -17,6 +17,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import _subprocess
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._errors import RunbookError
@@ -192,6 +193,35 @@ FLAG_TRIALS = (
 )
 
 
+def _flag_trial_temp(flags: dict[str, Any], scale: str, target: str | None) -> int:
+    """In a child: the gradient's temporaries compiled with XLA options `flags`."""
+    args = _args(CASE.scales[scale], {"index_dtype": "int32"}, False)
+    return measure(jax.grad(loss), *args, compiler_options=flags, target=target).temp
+
+
+def _option(flags: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in flags.items())
+
+
+def flag_trial(
+    flags: dict[str, Any], scale: str = "seed", target: str | None = None
+) -> tuple[dict[str, Any], int | str]:
+    """``(flags, temp bytes)`` of the gradient compiled with XLA options `flags`, or with
+    why there is no figure: an option this jaxlib rejects, or XLA crashing on it.
+
+    Each trial compiles in a fresh process, because some options crash XLA's compiler (a
+    crash there is a finding about that jaxlib, recorded here; it must not end the caller).
+    """
+    try:
+        return flags, _subprocess.call(
+            "runbook.cases.gather_grad:_flag_trial_temp", flags=flags, scale=scale, target=target
+        )
+    except _subprocess.ChildCrashed as e:
+        return flags, _subprocess.failure(e)
+    except RunbookError as e:  # an option this jaxlib lacks proves nothing either way
+        return flags, f"rejected: {_subprocess.failure(e)}"
+
+
 def _needs(result: CaseResult, name: str, **params: Any):
     """The report, or why this target could not measure it (a `RunbookError`)."""
     found = result.select(name, **params)
@@ -335,17 +365,10 @@ def claims(
         )
     )
 
-    flag_totals = []
-    if copied:
-        for flags in FLAG_TRIALS:
-            try:
-                report = measure(jax.grad(loss), *args32, compiler_options=flags, target=target)
-                flag_totals.append((flags, report.temp))
-            except RunbookError:  # an option this jaxlib lacks proves nothing
-                continue
-    best = min((t for _, t in flag_totals), default=grad.temp)
+    trials = [flag_trial(flags, result.scale, target) for flags in FLAG_TRIALS] if copied else []
+    best = min((t for _, t in trials if isinstance(t, int)), default=grad.temp)
     tried = "; ".join(
-        f"{next(iter(f))}={next(iter(f.values()))}: {fmt_bytes(t)}" for f, t in flag_totals
+        f"{_option(f)}: {fmt_bytes(t) if isinstance(t, int) else t}" for f, t in trials
     )
     out.append(
         Claim(
