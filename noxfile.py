@@ -2,7 +2,7 @@
 # /// script
 # dependencies = ["nox>=2025.2.9"]
 # ///
-"""Sessions: tests and lint (default); docs, browser, versions, bench and gpu (on demand)."""
+"""Sessions: tests and lint (default); docs, rtd, browser, versions, bench and gpu (on demand)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,18 @@ def browser(session: nox.Session) -> None:
     script = str(ROOT / "docs" / "_tools" / "browser_check.py")
     session.run("python", script, "--self-test")
     session.run("python", script, *session.posargs)
+
+
+@nox.session(default=False, venv_backend="none")
+def rtd(session: nox.Session) -> None:
+    """Rehearse the hosted build: `.readthedocs.yaml`'s own install and build commands, in a
+    fresh clone and environment on the Python it names, timed against Read the Docs' limit.
+
+    `-- --offline-build` runs its build step with no network (loopback only; needs root).
+    """
+    script = str(ROOT / "docs" / "_tools" / "rehearse_rtd.py")
+    session.run("uv", "run", "--no-project", "--with", "pyyaml", "python", script,
+                *session.posargs)  # fmt: skip
 
 
 @nox.session

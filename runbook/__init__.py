@@ -6,6 +6,22 @@ The tools for your own code live here; the renderers the site's pages use are in
 
 from __future__ import annotations
 
+import importlib.metadata as _metadata
+import warnings as _warnings
+
+from . import _releases
+
+# An unsupported JAX gets one line here, not a traceback from deep inside JAX (pip keeps
+# Python below 3.11 out: requires-python).
+try:
+    _jax_version = _metadata.version("jax")
+except _metadata.PackageNotFoundError:
+    raise ImportError("runbook needs jax: `pip install jax-memory-runbook` installs it.") from None
+if _why := _releases.too_old(_jax_version):
+    raise ImportError(f"runbook: {_why}")
+if _why := _releases.too_new(_jax_version):
+    _warnings.warn(f"runbook: {_why}", RuntimeWarning, stacklevel=2)
+
 from ._quiet import plugin_chatter
 
 with plugin_chatter():  # the GPU compiler plugin, if installed, logs its missing GPU here

@@ -424,6 +424,45 @@ def matrix_time(releases: Sequence[Mapping[str, Any]]) -> str:
     return f"{text}, plus installing each environment (not recorded in every file)."
 
 
+def recorded_verdicts(
+    case: str, jax_version: str, data_dir: str | pathlib.Path | None = None
+) -> dict[str, str] | None:
+    """``{claim key: verdict}`` that release `jax_version` gave case `case` on CPU, as
+    ``nox -s versions`` recorded it; None where that release has no file or no claims."""
+    path = pathlib.Path(data_dir or DATA_DIR) / "versions" / f"{jax_version}.json"
+    if not path.exists():
+        return None
+    found = json.loads(path.read_text()).get("claims", {}).get("cases", {}).get(case)
+    if not found or found["status"] != "ok":
+        return None
+    return {c["key"]: c["verdict"] for c in found["claims"]}
+
+
+def claims_by_release(case: str, releases: Sequence[Mapping[str, Any]] | None = None) -> Table:
+    """One row per claim, one column per release: the verdict that release gave on CPU."""
+    releases = releases if releases is not None else load_versions()
+    recorded = {r["jax"]: r.get("claims", {}).get("cases", {}).get(case) for r in releases}
+    text: dict[str, str] = {}  # claim key -> the claim's words, in the order first recorded
+    columns: dict[str, dict[str, str] | str] = {}  # release -> verdicts, or why there are none
+    for jax, found in recorded.items():
+        if found and found["status"] == "ok":
+            columns[jax] = {c["key"]: c["verdict"] for c in found["claims"]}
+            text.update({c["key"]: c["claim"] for c in found["claims"]})
+        else:
+            columns[jax] = found["status"] if found else "not recorded"
+    decided = {j: v for j, v in columns.items() if isinstance(v, dict)}
+    rows = [[words, *(v.get(key, "-") for v in decided.values())] for key, words in text.items()]
+    missing = "; ".join(f"{j}: {v}" for j, v in columns.items() if isinstance(v, str))
+    return Table(
+        ["claim", *decided],
+        rows,
+        f"{case}: each claim's verdict per release, decided on the CPU at scale 'seed' by "
+        "`nox -s versions` in that release's own environment."
+        + (f" No verdicts for {missing} (`nox -s \"versions(RELEASE)\" -- --claims-only` "
+           "decides them without measuring the figures again)." if missing else ""),
+    )  # fmt: skip
+
+
 def versions_report(case: str, live: CaseResult | None = None) -> list[Any]:
     """A case across releases, for the versions page: when the problem appears on CPU and
     on each target the files hold, the figures per release, and what failed where."""
@@ -445,4 +484,5 @@ def versions_report(case: str, live: CaseResult | None = None) -> list[Any]:
         else Note("Every program compiled in every release.")
     )
     items.append(slowest(cpu))
+    items.append(claims_by_release(case))
     return items

@@ -24,7 +24,11 @@ _ITEMSIZE = {
 }  # fmt: skip
 _ARRAY = re.compile(r"^([a-z]\w*)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
-_NAME = re.compile(r"%?([\w.\-]+)")
+_NAME = re.compile(r"%?([\w.\-]+(?:#\d+)?)")
+# Newer XLA prints an operand that is one element of a tuple as ``%while.12#2`` instead of
+# a get-tuple-element instruction; the reader restores the instruction (named ``while.12#2``)
+# so that every detector sees one program structure, whichever XLA printed it.
+_PROJECTION = re.compile(r"^(.+)#(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +282,42 @@ def parse_module(text: str) -> Module:
                 root,
             )
         )
+    _restore_projections(computations)
     return Module(name, entry, computations, aliases)
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """``"(s32[], f32[2]{0}, /*index=2*/f32[3])"`` -> ``["s32[]", "f32[2]{0}", "f32[3]"]``."""
+    inner = re.sub(r"/\*.*?\*/", "", shape.strip())[1:-1]
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(inner):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if ch == "," and depth == 0:
+            parts.append(inner[start:i].strip())
+            start = i + 1
+    return [*parts, inner[start:].strip()] if inner.strip() else parts
+
+
+def _restore_projections(computations: dict[str, list[Instruction]]) -> None:
+    """Add a get-tuple-element for each ``x#k`` operand, before its first user."""
+    shapes = {i.name: i.shape.text for body in computations.values() for i in body}
+    for computation, body in computations.items():
+        made: set[str] = set()
+        out: list[Instruction] = []
+        for inst in body:
+            for operand in inst.operands:
+                m = _PROJECTION.match(operand)
+                if m is None or operand in made or m[1] not in shapes:
+                    continue
+                elements = _tuple_elements(shapes[m[1]])
+                k = int(m[2])
+                shape = elements[k] if k < len(elements) else ""
+                out.append(Instruction(operand, computation, Shape(shape), "get-tuple-element",
+                                       (m[1],), f", index={k}"))  # fmt: skip
+                made.add(operand)
+            out.append(inst)
+        body[:] = out
 
 
 # --- the buffer assignment -----------------------------------------------------------------

@@ -34,15 +34,23 @@ def python_for(release: str) -> str:
     return NEWEST_PYTHON if needs_312 else OLDEST_PYTHON
 
 
-def supported(jax_version: str) -> str | None:
-    """None when `jax_version` lies in the measured range, else one line saying why not."""
-    first, last = RELEASES[0], RELEASES[-1]
+def too_old(jax_version: str) -> str | None:
+    """One line saying why `jax_version` is too old for the runbook, or None."""
+    first = RELEASES[0]
     if release_key(jax_version) < release_key(first):
         return (
             f"jax {jax_version} is older than the oldest release the runbook measures "
             f"({first}): upgrade with `pip install -U 'jax>={first}'`."
         )
-    # A newer patch of the newest minor release is taken as measured; a newer minor is not.
+    return None
+
+
+def too_new(jax_version: str) -> str | None:
+    """One line saying that `jax_version` is newer than any measured release, or None.
+
+    A newer patch of the newest minor release counts as measured; a newer minor does not.
+    """
+    last = RELEASES[-1]
     if release_key(jax_version)[:2] > release_key(last)[:2]:
         return (
             f"jax {jax_version} is newer than the newest release the runbook measures "

@@ -573,3 +573,35 @@ def test_cli_bad_spec_is_one_line_and_exit_2(user_file, which, expected):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("runbook: error:")
     assert expected in lines[0]
+
+
+# One loop's result read two ways: as XLA printed it up to jaxlib 0.10 (get-tuple-element
+# instructions) and as newer XLA prints it (the tuple element named in the operand).
+_GTE = """HloModule m, entry_computation_layout={()->f32[4]{0}}
+
+ENTRY %main () -> f32[4] {
+  %t = (s32[], f32[4]{0}) tuple()
+  %w = (s32[], /*index=1*/f32[4]{0}) while(%t), condition=%c, body=%b
+  %g = f32[4]{0} get-tuple-element(%w), index=1
+  ROOT %r = f32[4]{0} negate(%g)
+}
+"""
+_INLINE = """HloModule m, entry_computation_layout={()->f32[4]{0}}
+
+ENTRY %main () -> f32[4] {
+  %t = (s32[], f32[4]{0}) tuple()
+  %w = (s32[], /*index=1*/f32[4]{0}) while(%t), condition=%c, body=%b
+  ROOT %r = f32[4]{0} negate(%w#1)
+}
+"""
+
+
+@pytest.mark.parametrize("text", [_GTE, _INLINE], ids=["get-tuple-element", "inline"])
+def test_hlo_reader_sees_a_tuple_element_the_same_whichever_way_xla_printed_it(text):
+    from runbook._hlo import parse_module
+
+    module = parse_module(text)
+    (element,) = [u for u in module.users["w"] if u.opcode == "get-tuple-element"]
+    assert element.tuple_index == 1
+    assert element.shape.dims == (4,)
+    assert [u.opcode for u in module.users[element.name]] == ["negate"]

@@ -29,15 +29,6 @@ def found():
     return {c.name: c for c in donation.checks()}
 
 
-EXPECTED = {
-    "cpu": "refuted",
-    "two-copies": "confirmed",
-    "fusion": "confirmed",
-    "warns": "refuted",
-    "loop-copy": "confirmed",
-}
-
-
 @pytest.fixture(scope="module")
 def verdicts(seed, found):
     runs = {"peaks": donation.peaks(), "eager": donation.eager_peak(), "reuse": donation.reuse()}
@@ -45,14 +36,9 @@ def verdicts(seed, found):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("key", "verdict"), EXPECTED.items())
-def test_verdict(verdicts, key, verdict):
-    assert verdicts[key] == verdict
-
-
-@pytest.mark.slow
-def test_every_claim_has_a_verdict(verdicts):
-    assert set(verdicts) == set(EXPECTED)
+def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
+    # Per release: the running JAX's verdicts, as `nox -s versions` recorded them in its file.
+    assert verdicts == recorded("donation")
 
 
 def test_whole_case_measured_within_a_minute(seed):

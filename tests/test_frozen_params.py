@@ -33,22 +33,9 @@ def verdicts(seed, costs):
     return {c.key: c.verdict for c in frozen_params.claims(seed[0], costs, stored)}
 
 
-EXPECTED = {
-    "allocated": "confirmed",
-    "sometimes": "confirmed",
-    "stop-gradient-scan": "refuted",
-    "stop-gradient-free": "refuted",
-    "masking-wastes": "refuted",
-}
-
-
-@pytest.mark.parametrize(("key", "verdict"), EXPECTED.items())
-def test_verdict(verdicts, key, verdict):
-    assert verdicts[key] == verdict
-
-
-def test_every_claim_has_a_verdict(verdicts):
-    assert set(verdicts) == set(EXPECTED)
+def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
+    # Per release: the running JAX's verdicts, as `nox -s versions` recorded them in its file.
+    assert verdicts == recorded("frozen-params")
 
 
 def test_whole_case_measured_within_a_minute(seed):

@@ -17,30 +17,14 @@ def seed():
     return result, time.perf_counter() - start
 
 
-EXPECTED = {
-    "replicates": "refuted",
-    "all-gpus": "refuted",
-    "eager-compile": "confirmed",
-    "fragmentation": "not reproducible here",
-    "vmap": "refuted",
-    "static-argnums": "refuted",
-    "shard-inputs": "confirmed",
-    "manual": "refuted",
-}
-
-
 @pytest.fixture(scope="module")
 def verdicts():
     return {c.key: c.verdict for c in pmap_loop.claims()}
 
 
-@pytest.mark.parametrize(("key", "verdict"), EXPECTED.items())
-def test_verdict(verdicts, key, verdict):
-    assert verdicts[key] == verdict
-
-
-def test_every_claim_has_a_verdict(verdicts):
-    assert set(verdicts) == set(EXPECTED)
+def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
+    # Per release: the running JAX's verdicts, as `nox -s versions` recorded them in its file.
+    assert verdicts == recorded("pmap-loop")
 
 
 def test_whole_case_measured_within_a_minute(seed):

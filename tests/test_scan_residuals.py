@@ -10,6 +10,7 @@ import jax
 import pytest
 
 import runbook
+import runbook.site
 from runbook._cli import main
 from runbook.cases import scan_residuals
 from runbook.cases.scan_residuals import CASE
@@ -27,23 +28,9 @@ def verdicts(seed):
     return {c.key: c.verdict for c in scan_residuals.claims(seed[0])}
 
 
-EXPECTED = {
-    "fori-constant": "refuted",
-    "scan-vs-unroll": "confirmed",
-    "checkpoint-always": "refuted",
-    "remat-whole": "not reproducible here",
-    "remat-body": "confirmed",
-    "nested-sqrt": "confirmed",
-}
-
-
-@pytest.mark.parametrize(("key", "verdict"), EXPECTED.items())
-def test_verdict(verdicts, key, verdict):
-    assert verdicts[key] == verdict
-
-
-def test_every_claim_has_a_verdict(verdicts):
-    assert set(verdicts) == set(EXPECTED)
+def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
+    # Per release: the running JAX's verdicts, as `nox -s versions` recorded them in its file.
+    assert verdicts == recorded("scan-residuals")
 
 
 def test_whole_case_measured_within_a_minute(seed):
@@ -57,11 +44,22 @@ def per_step(result, name, t):
     return result.one(name, steps=t).temp / carry / t
 
 
-def test_gradient_stores_three_carries_per_step_and_body_remat_one(seed):
+def test_gradient_stores_what_jax_saves_per_step_and_body_remat_one(seed):
+    # How many residuals JAX saves per step is the release's (see carries_by_release): the
+    # compiled gradient holds one carry-sized row for each, and body remat holds one.
     result, t = seed[0], max(scan_residuals.STEPS)
-    assert per_step(result, "grad", t) == pytest.approx(3, abs=0.05)
+    tiny = scan_residuals._args(CASE.scales["tiny"], {"steps": 16}, False)
+    saved = len(scan_residuals.saved_residuals(scan_residuals.loss, *tiny))
+    assert saved >= 2
+    assert per_step(result, "grad", t) == pytest.approx(saved, abs=0.05)
     assert per_step(result, "remat-body", t) == pytest.approx(1, abs=0.05)
     assert per_step(result, "remat-policy", t) == pytest.approx(2, abs=0.05)
+
+
+def test_carries_by_release_reads_every_committed_release():
+    rows = scan_residuals.carries_by_release().rows
+    assert [r[0] for r in rows] == [r["jax"] for r in runbook.site.load_versions()]
+    assert all(float(r[1]) >= 2 for r in rows if r[1] != "-")
 
 
 def test_fori_loop_and_whole_remat_change_nothing(seed):
@@ -94,11 +92,12 @@ def test_saved_residuals_name_the_stacked_arrays():
     stacked = 16 * scan_residuals.carry_bytes(scale)
     grad = scan_residuals.saved_residuals(scan_residuals.loss, *args)
     body = scan_residuals.saved_residuals(scan_residuals.loss_remat_body, *args)
-    assert [size for _, size, _ in grad] == [stacked] * 3
+    assert [size for _, size, _ in grad] == [stacked] * len(grad)
+    assert len(grad) >= 2
     assert [size for _, size, _ in body] == [stacked]
     assert all("scan_residuals.py" in origin for _, _, origin in grad)
     table = scan_residuals.residual_table(scan_residuals.loss, *args)
-    assert table.rows[-1][:2] == ["total", runbook.fmt_bytes(3 * stacked)]
+    assert table.rows[-1][:2] == ["total", runbook.fmt_bytes(len(grad) * stacked)]
 
 
 def test_fixes_give_the_same_value_and_gradient():

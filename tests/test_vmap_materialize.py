@@ -37,21 +37,9 @@ def verdicts(seed, runs, pairwise):
     return {c.key: c.verdict for c in vm.claims(seed[0], runs, pairwise)}
 
 
-EXPECTED = {
-    "forty-gb": "confirmed",
-    "gigantic": "confirmed",
-    "better-than-loop": "refuted",
-    "map-slower": "refuted",
-}
-
-
-@pytest.mark.parametrize(("key", "verdict"), EXPECTED.items())
-def test_verdict(verdicts, key, verdict):
-    assert verdicts[key] == verdict
-
-
-def test_every_claim_has_a_verdict(verdicts):
-    assert set(verdicts) == set(EXPECTED)
+def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
+    # Per release: the running JAX's verdicts, as `nox -s versions` recorded them in its file.
+    assert verdicts == recorded("vmap-materialize")
 
 
 def test_whole_case_measured_within_a_minute(seed):
@@ -134,9 +122,9 @@ def test_pairwise_rewrites_give_the_same_result():
     assert all(c["same"] for c in checks), checks
 
 
-def test_claims_on_a_target_decide_run_time_as_not_measurable():
+def test_claims_on_a_target_decide_run_time_as_not_measurable(verdicts):
     found = {c.key: c for c in vm.claims(target="h100")}
-    assert set(found) == set(EXPECTED)
+    assert set(found) == set(verdicts)
     assert found["forty-gb"].verdict == "confirmed"
     assert found["map-slower"].verdict == "not reproducible here"
 

@@ -345,6 +345,27 @@ def fix_table(result: CaseResult) -> Table:
     )
 
 
+def carries_by_release() -> Table:
+    """Carries per step in the gradient's temporaries at the longest scan, per committed
+    release (CPU, from the version matrix): how many residuals JAX saves is the release's."""
+    from .._history import load_versions
+
+    carry, t = carry_bytes(CASE.scales["seed"]), max(STEPS)
+    rows = []
+    for release in load_versions():
+        entries = release["cases"].get("scan-residuals", {}).get("variants", [])
+        found = {e["name"]: e["bytes"]["temp"] for e in entries if e["params"]["steps"] == t}
+        rows.append([release["jax"], *(
+            f"{found[n] / carry / t:.2f}" if n in found else "-"
+            for n in ("grad", "remat-policy", "remat-body"))])  # fmt: skip
+    return Table(
+        ["jax", "grad", "remat-policy", "remat-body"],
+        rows,
+        f"Temporaries per step in carries ({fmt_bytes(carry)} each) at T={t}, scale 'seed', "
+        "compiled on the CPU by each release (docs/_data/versions/, `nox -s versions`).",
+    )
+
+
 def growth_table(result: CaseResult) -> Table:
     """Temporaries per step, in carries, for every variant at every number of steps."""
     carry = carry_bytes(CASE.scales[result.scale])
