@@ -23,6 +23,7 @@ from .._claims import Claim, verdict
 from .._errors import RunbookError
 from .._history import Note
 from .._measure import measure
+from .._provenance import Provenance
 from .._render import Table, fmt_bytes
 
 # The issue's figures, as reported (XLA's CPU memory-usage report, GiB). Quoted, not ours.
@@ -220,6 +221,20 @@ def flag_trial(
         return flags, _subprocess.failure(e)
     except RunbookError as e:  # an option this jaxlib lacks proves nothing either way
         return flags, f"rejected: {_subprocess.failure(e)}"
+
+
+def flag_table(scale: str = "seed") -> Table:
+    """Every XLA option of `FLAG_TRIALS`, each compiled in a fresh process: the gradient's
+    temporaries, or why there are none (a crash of XLA's compiler is a finding, not an end)."""
+    trials = [flag_trial(flags, scale) for flags in FLAG_TRIALS]
+    rows = [[_option(f), fmt_bytes(t) if isinstance(t, int) else t] for f, t in trials]
+    provenance = Provenance.current()
+    return Table(
+        ["XLA option", "gradient's temporaries (int32 indices)"],
+        rows,
+        f"jax.grad(loss) at scale {scale!r}, each option in a process of its own; "
+        f"{provenance.label()}.",
+    )
 
 
 def _needs(result: CaseResult, name: str, **params: Any):

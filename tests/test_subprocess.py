@@ -1,0 +1,43 @@
+"""Children: a crash inside one (XLA's, here a real signal) is a result, never the caller's end."""
+
+from __future__ import annotations
+
+import pytest
+
+from runbook import _subprocess
+from runbook.cases import gather_grad
+
+
+@pytest.mark.parametrize(("crash", "signal"), [("_sigsegv", "SIGSEGV"), ("_sigabrt", "SIGABRT")])
+def test_a_child_that_really_crashes_raises_child_crashed(crash, signal):
+    # faulthandler's own functions kill the interpreter with the signal, as XLA's SIGFPE does.
+    with pytest.raises(_subprocess.ChildCrashed, match=f"crashed \\({signal}\\)") as e:
+        _subprocess.call(f"faulthandler:{crash}")
+    assert e.value.signal_name == signal
+    assert _subprocess.failure(e.value).startswith(f"XLA crashed ({signal}), jaxlib ")
+
+
+def test_an_error_in_a_child_is_not_a_crash():
+    with pytest.raises(_subprocess.RunbookError) as e:
+        _subprocess.call("runbook.no_such_module:f")
+    assert not isinstance(e.value, _subprocess.ChildCrashed)
+
+
+def test_flag_trials_record_a_crash_and_the_caller_goes_on(monkeypatch):
+    real = _subprocess.call
+
+    def crash_on_fusion(target, /, **kwargs):
+        if kwargs.get("flags") == {"xla_disable_hlo_passes": "fusion"}:
+            return real("faulthandler:_sigsegv")  # a real crash, in a real child
+        return real(target, **kwargs)
+
+    monkeypatch.setattr(_subprocess, "call", crash_on_fusion)
+    rows = gather_grad.flag_table("tiny").rows
+    assert rows[0][1].startswith("XLA crashed (SIGSEGV), jaxlib ")
+    assert all(r[1].endswith("B") for r in rows[1:])  # the others measured: byte figures
+
+
+def test_every_flag_trial_of_this_jaxlib_gives_a_figure_or_a_recorded_reason():
+    for flags in gather_grad.FLAG_TRIALS:
+        got = gather_grad.flag_trial(flags, "tiny")[1]
+        assert isinstance(got, int) or got.startswith(("XLA crashed (", "rejected: ")), got
