@@ -256,3 +256,38 @@ def test_matrix_time_adds_up_what_the_files_recorded():
     )
     partial = runbook.site.matrix_time([a, {"elapsed_seconds": 120.0}])
     assert partial.startswith("Measuring took 3.0 min over 2 releases, plus installing")
+
+
+@pytest.mark.parametrize(
+    "release", [r for r in load_versions() if "claims" in r], ids=lambda r: r["jax"]
+)
+def test_recorded_claims_have_a_verdict_each(release):
+    from runbook._claims import VERDICTS
+
+    claims = release["claims"]
+    datetime.date.fromisoformat(claims["generated"])
+    assert set(claims["cases"]) <= set(runbook.case_names())
+    for name, found in claims["cases"].items():
+        assert found["status"] == "ok", (name, found.get("reason"))
+        assert found["claims"], name
+        assert all(c["verdict"] in VERDICTS and c["evidence"] for c in found["claims"]), name
+
+
+def test_the_newest_release_has_every_case_s_claims():
+    newest = load_versions()[-1]
+    assert set(newest.get("claims", {}).get("cases", {})) == set(runbook.case_names())
+
+
+def test_claims_by_release_shows_each_release_s_verdicts_and_says_where_none():
+    def release(jax, verdict):
+        claims = {"cases": {"c": {"status": "ok", "claims": [
+            {"key": "k", "claim": "It holds.", "verdict": verdict, "evidence": "e"}]}}}  # fmt: skip
+        return {"jax": jax, "claims": claims} if verdict else {"jax": jax}
+
+    from runbook._history import claims_by_release
+
+    table = claims_by_release("c", [release("0.4.30", None), release("0.10.2", "confirmed"),
+                                    release("0.12.0.1", "refuted")])  # fmt: skip
+    assert table.columns == ["claim", "0.10.2", "0.12.0.1"]
+    assert table.rows == [["It holds.", "confirmed", "refuted"]]
+    assert "0.4.30: not recorded" in table.caption
