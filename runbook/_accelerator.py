@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._case import _CASES, CaseResult, get_case, measure_case
@@ -122,7 +122,9 @@ def parallel(fn: Any, items: Sequence[Any]) -> list[Any]:
 
 def _at(result: CaseResult, params: Mapping[str, Any]) -> CaseResult:
     """Only the programs of `result` at grid point `params`."""
-    keep = lambda p: all(p.get(k) == v for k, v in params.items())
+    keep: Callable[[Mapping[str, Any]], bool] = lambda p: all(
+        p.get(k) == v for k, v in params.items()
+    )
     return CaseResult(
         result.case,
         result.scale,
@@ -156,7 +158,8 @@ def _cell(result: CaseResult, name: str) -> str:
         return f"✗ does not fit: needs {fmt_bytes(entry['needed'])}"
     if entry["status"] == "failed":
         return f"does not compile: {_reason(entry['reason'])}"
-    return entry["status"]
+    status: str = entry["status"]
+    return status
 
 
 def _reason(text: str, limit: int = 90) -> str:

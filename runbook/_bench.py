@@ -22,7 +22,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import __version__, _matrix
+from . import __version__, _matrix, _subprocess
 from ._case import case_names, get_case, measure_case
 from ._errors import RunbookError
 from ._measure import compile_fn, measure
@@ -98,7 +98,7 @@ def fix_runtimes(names: Sequence[str], progress: Callable[[str], None]) -> dict[
             try:
                 seconds[v.name] = runtime_peak(name, v.name, params=params, repeats=3).seconds
             except RunbookError as e:
-                seconds[v.name] = f"failed: {_matrix.one_line(str(e))}"
+                seconds[v.name] = f"failed: {_subprocess.one_line(str(e))}"
         repro = next(v.name for v in case.variants if v.role == "reproduction")
         base = seconds.get(repro)
         out[name] = {

@@ -120,7 +120,9 @@ def _parse_hlo(text: str) -> tuple[dict[str, _Instruction], dict[str, str]]:
     return instructions, roots
 
 
-def _describe(name: str, instructions: dict[str, _Instruction], roots: dict[str, str]):
+def _describe(
+    name: str, instructions: dict[str, _Instruction], roots: dict[str, str]
+) -> tuple[str, str]:
     """Op name and source for `name`, looking inside a fusion when the fusion has neither."""
     inst = instructions.get(name)
     seen = set()

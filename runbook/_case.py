@@ -91,7 +91,9 @@ class Case:
         valid = ", ".join(v.name for v in self.variants)
         raise UnknownNameError(f"unknown variant {name!r} of case {self.name!r}; valid: {valid}")
 
-    def inputs(self, variant: Variant, scale: Mapping[str, Any], params: Params, concrete: bool):
+    def inputs(
+        self, variant: Variant, scale: Mapping[str, Any], params: Params, concrete: bool
+    ) -> tuple[Any, ...]:
         """The arguments `variant` is called with (abstract unless `concrete`)."""
         return (variant.args or self.args)(scale, params, concrete)
 
@@ -139,7 +141,8 @@ def get_case(name: str) -> Case:
     """The `Case` called `name` (see `case_names()`)."""
     if name not in _CASES:
         raise UnknownNameError(f"unknown case {name!r}; valid: {', '.join(_CASES)}")
-    return importlib.import_module(_CASES[name]).CASE
+    case: Case = importlib.import_module(_CASES[name]).CASE
+    return case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +167,9 @@ class CaseResult:
         """The target these figures were compiled for; None for this process's backend."""
         return _targets.get_target(self.provenance.target) if self.provenance.target else None
 
-    def select(self, name: str | None = None, role: str | None = None, **params: Any):
+    def select(
+        self, name: str | None = None, role: str | None = None, **params: Any
+    ) -> list[MemoryReport]:
         """Reports matching a variant name, a role and params."""
         return [
             r
@@ -198,7 +203,9 @@ class CaseResult:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], buffers: Mapping[str, Any] | None = None):
+    def from_json(
+        cls, data: Mapping[str, Any], buffers: Mapping[str, Any] | None = None
+    ) -> CaseResult:
         prov = Provenance(
             data["backend"],
             data["device_kind"],
@@ -411,9 +418,9 @@ def _measure_json(
     scale: str,
     buffers: bool,
     variants: list[str] | None,
-    at: dict | None,
-    compiler_options: dict | None,
-) -> dict:
+    at: dict[str, Any] | None,
+    compiler_options: dict[str, Any] | None,
+) -> dict[str, Any]:
     result = measure_case(
         name, scale, buffers=buffers, variants=variants, at=at, compiler_options=compiler_options
     )
@@ -485,4 +492,5 @@ def verify(name: str, scale: str | None = None) -> list[dict[str, Any]]:
     else:
         compute = functools.partial(_verify_json, name, scale)
     request = {"kind": "verify", "case": name, "scale": scale}
-    return _cache.cached(request, compute, module=_CASES[name])
+    checks: list[dict[str, Any]] = _cache.cached(request, compute, module=_CASES[name])
+    return checks

@@ -423,7 +423,9 @@ def diagnose_case(
         )
 
 
-def _diagnose_case_record(name: str, variant: str, scale: str, at: dict) -> dict[str, Any]:
+def _diagnose_case_record(
+    name: str, variant: str, scale: str, at: dict[str, Any]
+) -> dict[str, Any]:
     return diagnose_case(name, variant, scale=scale, at=at).to_record()
 
 
@@ -516,7 +518,7 @@ def load_callable(spec: str, what: str = "function") -> Callable[..., Any]:
         finally:
             sys.path.remove(str(path.resolve().parent))
         sys.modules[module_name] = module
-    found = getattr(module, name, None)
+    found: object = getattr(module, name, None)
     if found is None:
         raise RunbookError(f"`{spec}`: {path_text!r} has no {what} named {name!r}")
     if not callable(found):

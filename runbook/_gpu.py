@@ -130,7 +130,7 @@ def measure_runtime(name: str, scale: str, result: Mapping[str, Any]) -> list[di
         try:
             peak = runtime_peak(name, entry["name"], scale=scale, params=entry["params"], repeats=1)
         except WontFitError as e:
-            peaks.append({**base, "status": "won't fit", "reason": _matrix.one_line(str(e))})
+            peaks.append({**base, "status": "won't fit", "reason": _subprocess.one_line(str(e))})
             continue
         except RunbookError as e:  # a crash on the device is a result, like a refusal
             peaks.append({**base, "status": "failed", "reason": _subprocess.failure(e)})

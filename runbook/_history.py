@@ -10,12 +10,15 @@ import dataclasses
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ._case import CaseResult
 from ._errors import RunbookError
 from ._releases import release_key
 from ._render import Table, _unit, fmt_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "docs" / "_data"
 # The reproduction needing at least this many times the best fix's bytes counts as the
@@ -255,7 +258,7 @@ class History:
             for name, note in r.notes.items()
         ]
 
-    def plot(self, ax: Any = None, *, live: CaseResult | None = None):
+    def plot(self, ax: Any = None, *, live: CaseResult | None = None) -> Axes:
         """Total bytes per release, one line per variant; `live` adds this build's figures."""
         import matplotlib.pyplot as plt
 
@@ -298,7 +301,7 @@ class History:
         ax.set_title(title, fontsize="small")
         ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.figure.tight_layout()
-        return ax
+        return cast("Axes", ax)
 
 
 def _headline_params(releases: Sequence[Mapping[str, Any]], case: str) -> dict[str, Any]:

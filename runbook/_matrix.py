@@ -87,7 +87,9 @@ def _measure_point(
     return {"status": "ok", "entry": report.to_json(), "provenance": provenance}
 
 
-def _unmeasured(v: Variant, params: dict[str, Any], status: str, reason: str, seconds=None):
+def _unmeasured(
+    v: Variant, params: dict[str, Any], status: str, reason: str, seconds: float | None = None
+) -> dict[str, Any]:
     return {"name": v.name, "role": v.role, "params": params, "status": status,
             "reason": reason, "seconds": seconds}  # fmt: skip
 

@@ -7,7 +7,7 @@ import datetime
 import platform
 
 import jax
-import jaxlib
+import jaxlib.version
 
 from ._quiet import start_backend
 
@@ -40,7 +40,7 @@ class Provenance:
             device_kind=device.device_kind,
             devices=jax.device_count(),
             jax=jax.__version__,
-            jaxlib=jaxlib.__version__,
+            jaxlib=jaxlib.version.__version__,
             machine=f"{platform.system()} {platform.machine()}, Python {platform.python_version()}",
             date=datetime.date.today().isoformat(),
         )

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ._buffers import Buffer
 from ._measure import MemoryReport
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 def fmt_bytes(n: float) -> str:
@@ -38,7 +41,9 @@ class Table:
         widths = [
             max(len(r[i]) for r in [self.columns, *self.rows]) for i in range(len(self.columns))
         ]
-        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+        line: Callable[[Sequence[str]], str] = lambda r: "  ".join(
+            c.ljust(w) for c, w in zip(r, widths, strict=True)
+        )
         out = [line(self.columns), "  ".join("-" * w for w in widths), *map(line, self.rows)]
         return "\n".join(out + ([self.caption] if self.caption else []))
 
@@ -98,7 +103,7 @@ def figures_table(reports: Sequence[MemoryReport], caption: str = "") -> Table:
     """The figures a case measures beyond the compiler's (`MemoryReport.figures`), one row
     per report, one column per figure; bytes, except names ending in ``_seconds``."""
     names = list(dict.fromkeys(k for r in reports for k in r.figures))
-    cell = lambda k, v: (
+    cell: Callable[[str, float | None], str] = lambda k, v: (
         "-" if v is None else f"{v:.3f} s" if k.endswith("_seconds") else fmt_bytes(v)
     )
     rows = [[r.name, _params(r), *(cell(k, r.figures.get(k)) for k in names)] for r in reports]
@@ -119,7 +124,7 @@ def plot_reports(
     label: Callable[[MemoryReport], str] | None = None,
     ax: Any = None,
     title: str = "",
-):
+) -> Axes:
     """Stacked argument / temp / output bars per report, with each lower bound marked.
 
     Outputs written into donated arguments (aliased) are drawn once, as arguments: each bar
@@ -133,7 +138,7 @@ def plot_reports(
     unit, scale = _unit(max(r.total for r in reports))
     names = [label(r) for r in reports]
     left = [0.0] * len(reports)
-    parts = (
+    parts: tuple[tuple[str, str, Callable[[MemoryReport], int]], ...] = (
         ("argument", "#4c72b0", lambda r: r.argument),
         ("temp", "#dd8452", lambda r: r.temp),
         ("output", "#55a868", lambda r: r.output - r.alias),
@@ -159,12 +164,12 @@ def plot_reports(
     prov = reports[0].provenance.label()
     ax.set_title(f"{title}\n{prov}" if title else prov, fontsize="medium")
     ax.figure.tight_layout()
-    return ax
+    return cast("Axes", ax)
 
 
 def plot_sweep(
     reports: Sequence[MemoryReport], x: str, *, part: str = "total", ax: Any = None, title: str = ""
-):
+) -> Axes:
     """One line per variant: bytes (`part`: total, temp, argument) against `params[x]`."""
     import matplotlib.pyplot as plt
 
@@ -190,7 +195,7 @@ def plot_sweep(
     prov = reports[0].provenance.label()
     ax.set_title(f"{title}\n{prov}" if title else prov, fontsize="medium")
     ax.figure.tight_layout()
-    return ax
+    return cast("Axes", ax)
 
 
 def _unit(largest: float) -> tuple[str, float]:

@@ -85,7 +85,7 @@ def _peak_json(
     name: str,
     variant: str,
     scale: str,
-    params: dict,
+    params: dict[str, Any],
     options: Mapping[str, Any] | None,
     repeats: int,
 ) -> dict[str, Any]:

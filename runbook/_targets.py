@@ -240,15 +240,15 @@ def unavailable(name: str | Target) -> str | None:
             f"{target.kind} targets need XLA's {target.kind} compiler, which is published for "
             f"Linux x86-64 only; this machine is {machine}"
         )
-    import jaxlib
+    import jaxlib.version
 
     if target.platform == "cuda":
         plugin = _version("jax-cuda12-plugin")
         if plugin is None:
             return f"no GPU compiler: jax-cuda12-plugin is not installed; {INSTALL_HINT}"
-        if plugin != jaxlib.__version__:
+        if plugin != jaxlib.version.__version__:
             return (
-                f"jax-cuda12-plugin {plugin} does not match jaxlib {jaxlib.__version__}; "
+                f"jax-cuda12-plugin {plugin} does not match jaxlib {jaxlib.version.__version__}; "
                 f"{INSTALL_HINT}"
             )
         return None
@@ -296,7 +296,8 @@ def _ensure_cuda_plugin() -> None:
         xb._discover_and_register_pjrt_plugins()
     if "cuda" in xb._topology_factories:
         return
-    from jax._src.lib import xla_client
+    # jax._src.lib imports xla_client without re-exporting it (JAX's private API)
+    from jax._src.lib import xla_client  # type: ignore[attr-defined]
     from jax_plugins import xla_cuda12
 
     path = xla_cuda12._get_library_path()

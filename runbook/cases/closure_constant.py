@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ from .._measure import MemoryReport, measure
 from .._pages import cited_reports_table
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # What the reports say, as the issue summarises them; ours is measured beside it.
 REPORTS = {
@@ -62,7 +65,7 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.take(table, ids, axis=0)
 
 
-def make_lookup_captured(table: jax.Array):
+def make_lookup_captured(table: jax.Array) -> jax.stages.Wrapped:
     """The reproduction: a jitted lookup that closes over `table`.
 
     `table` is not an argument of the jitted function, so JAX embeds its value in the
@@ -87,14 +90,17 @@ _lock = threading.Lock()
 def _table_cached(kind: str, vocab: int, dim: int) -> jax.Array:
     if kind == "zeros":
         return jnp.zeros((vocab, dim), jnp.float32)
-    return jax.random.normal(jax.random.key(0), (vocab, dim), jnp.float32) / np.sqrt(dim)
+    normal = jax.random.normal(jax.random.key(0), (vocab, dim), jnp.float32)
+    scaled: jax.Array = normal / np.sqrt(dim)  # np.sqrt's scalar is Any to mypy
+    return scaled
 
 
 def table(kind: str, vocab: int, dim: int) -> jax.Array:
     """The embedding table, made once per process: ``"random"`` (normal) or ``"zeros"``."""
     start_backend()  # the first JAX call of a page may be here: plugins' chatter filtered
     with _lock:  # pages compile for several targets in threads: make it once
-        return jax.block_until_ready(_table_cached(kind, vocab, dim))
+        made: jax.Array = jax.block_until_ready(_table_cached(kind, vocab, dim))
+        return made
 
 
 def _ids(scale: Mapping[str, Any], concrete: bool) -> Any:
@@ -105,11 +111,13 @@ def _ids(scale: Mapping[str, Any], concrete: bool) -> Any:
     return jnp.asarray(rng.integers(0, scale["vocab"], shape, dtype=np.int32))
 
 
-def _ids_only(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool):
+def _ids_only(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool) -> tuple[Any]:
     return (_ids(scale, concrete),)
 
 
-def _table_and_ids(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool):
+def _table_and_ids(
+    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
+) -> tuple[Any, Any]:
     if concrete:
         t: Any = table("random", params["vocab"], params["dim"])
     else:
@@ -117,7 +125,7 @@ def _table_and_ids(scale: Mapping[str, Any], params: Mapping[str, Any], concrete
     return t, _ids(scale, concrete)
 
 
-def _captured(kind: str):
+def _captured(kind: str) -> Callable[[Mapping[str, Any]], jax.stages.Wrapped]:
     return lambda p: make_lookup_captured(table(kind, p["vocab"], p["dim"]))
 
 
@@ -148,7 +156,9 @@ def _hwm() -> int:
     return _status("VmHWM")
 
 
-def _host_figures_json(variant: str, scale: dict, params: dict) -> dict[str, int]:
+def _host_figures_json(
+    variant: str, scale: dict[str, Any], params: dict[str, Any]
+) -> dict[str, int]:
     """In a fresh process: what a user's session holds around one variant (`FIGURES`)."""
     start_backend()
     v = CASE.variant(variant)
@@ -174,14 +184,17 @@ def _host_figures_json(variant: str, scale: dict, params: dict) -> dict[str, int
     return figures
 
 
-def host_figures(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]):
+def host_figures(
+    variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]
+) -> dict[str, int]:
     """`FIGURES` for one variant, measured in a fresh process (`Case.figures`)."""
-    return _subprocess.call(
+    figures: dict[str, int] = _subprocess.call(
         "runbook.cases.closure_constant:_host_figures_json",
         variant=variant.name,
         scale=dict(scale),
         params=dict(params),
     )
+    return figures
 
 
 CASE = Case(
@@ -244,14 +257,18 @@ def control_flow_programs(scale_name: str = "small") -> list[tuple[str, Any]]:
     s = CASE.scales[scale_name]
     t = table("random", s["vocab"], s["dim"])
 
-    def in_loop(ids):
-        def body(i, acc):
+    def in_loop(ids: jax.Array) -> jax.Array:
+        def body(i: jax.Array, acc: jax.Array) -> jax.Array:
             return acc + lookup(t, (ids + i) % s["vocab"])
 
-        return lax.fori_loop(0, 4, body, jnp.zeros((ids.shape[0], s["dim"]), jnp.float32))
+        rows: jax.Array = lax.fori_loop(
+            0, 4, body, jnp.zeros((ids.shape[0], s["dim"]), jnp.float32)
+        )
+        return rows
 
-    def in_cond(ids):
-        return lax.cond(ids[0] > 0, lambda i: lookup(t, i), lambda i: -lookup(t, i), ids)
+    def in_cond(ids: jax.Array) -> jax.Array:
+        rows: jax.Array = lax.cond(ids[0] > 0, lambda i: lookup(t, i), lambda i: -lookup(t, i), ids)
+        return rows
 
     return [
         ("straight-line lookup", make_lookup_captured(t)),
@@ -519,14 +536,14 @@ def constants_by_compiler(results: Mapping[str, CaseResult]) -> Table:
     )  # fmt: skip
 
 
-def host_chart(result: CaseResult, ax: Any = None):
+def host_chart(result: CaseResult, ax: Any = None) -> Figure:
     """Per variant: memory_analysis's total beside the resident peak, the resident set with
     the executable cached and after `jax.clear_caches()`; the floor as a line."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.8))
-    series = [
+    series: list[tuple[str, Callable[[MemoryReport], int]]] = [
         ("memory_analysis total", lambda r: r.total),
         ("resident peak (compile + run)", lambda r: r.figures[KEY_FIGURE]),
         ("resident, executable cached", lambda r: r.figures["rss_cached"]),
@@ -543,7 +560,7 @@ def host_chart(result: CaseResult, ax: Any = None):
     ax.set_ylabel("MiB")
     ax.legend(fontsize=8, loc="upper right")
     ax.set_title(f"{result.provenance.label()}, scale {result.scale!r}", fontsize=9)
-    return ax.figure
+    return cast("Figure", ax.figure)
 
 
 def compilers_note(results: Mapping[str, CaseResult]) -> Note:

@@ -60,7 +60,9 @@ def loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((model(params, x) - y) ** 2)
 
 
-def train_step(params: Params, opt_state: Any, x: jax.Array, y: jax.Array):
+def train_step(
+    params: Params, opt_state: Any, x: jax.Array, y: jax.Array
+) -> tuple[Params, Any, jax.Array]:
     """One Adam step: returns ``(new params, new optimizer state, loss)``."""
     value, grads = jax.value_and_grad(loss)(params, x, y)
     updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
@@ -86,7 +88,9 @@ def misnumbered_step() -> Any:
     return jax.jit(train_step, donate_argnums=(0, 2))
 
 
-def mixed_dtype_update(params: Params, opt_state: Any, x: jax.Array, y: jax.Array):
+def mixed_dtype_update(
+    params: Params, opt_state: Any, x: jax.Array, y: jax.Array
+) -> tuple[Params, Any, jax.Array]:
     """A train step that hands back its new parameters in bfloat16 (say, for a bfloat16
     forward pass next step): donated, the float32 parameters' buffers fit no output."""
     new, opt_state, value = train_step(params, opt_state, x, y)
@@ -98,7 +102,7 @@ def update_read_update(x: jax.Array, reads: int = 8) -> jax.Array:
     update it again. Each step is elementwise, so all of it could happen in place."""
     a = jnp.exp(x)  # exp: costly enough that XLA does not recompute it in the last fusion
     stride = x.shape[0] // reads
-    s = lax.fori_loop(0, reads, lambda i, s: s + a[i * stride], jnp.zeros((), x.dtype))
+    s: jax.Array = lax.fori_loop(0, reads, lambda i, s: s + a[i * stride], jnp.zeros((), x.dtype))
     return a * s
 
 

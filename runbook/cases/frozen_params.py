@@ -51,7 +51,9 @@ def model(
     With `remat`, each layer is under `jax.checkpoint` (see the scan-residuals case).
     """
 
-    def layer(h, weights):
+    def layer(
+        h: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[jax.Array, None]:
         w, a, b = weights
         return jnp.tanh(h @ w + (h @ a) @ b), None
 
@@ -72,7 +74,7 @@ def loss_stopped(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
     return loss({"frozen": frozen, "lora": params["lora"]}, x, y)
 
 
-def grad_stop_gradient(params: Params, x: jax.Array, y: jax.Array):
+def grad_stop_gradient(params: Params, x: jax.Array, y: jax.Array) -> tuple[jax.Array, Params]:
     """The reproduction: the gradient of the whole tree, frozen weights under stop_gradient.
 
     Returns ``(loss, gradients)``; the frozen part of the gradients is zeros of the frozen
@@ -81,20 +83,22 @@ def grad_stop_gradient(params: Params, x: jax.Array, y: jax.Array):
     return jax.value_and_grad(loss_stopped)(params, x, y)
 
 
-def grad_masked(params: Params, x: jax.Array, y: jax.Array):
+def grad_masked(params: Params, x: jax.Array, y: jax.Array) -> tuple[jax.Array, Params]:
     """The gradient of the whole tree, the frozen part replaced by zeros afterwards."""
     value, grads = jax.value_and_grad(loss)(params, x, y)
     return value, {"frozen": jax.tree.map(jnp.zeros_like, grads["frozen"]), "lora": grads["lora"]}
 
 
-def grad_trainable(params: Params, x: jax.Array, y: jax.Array, remat: bool = False):
+def grad_trainable(
+    params: Params, x: jax.Array, y: jax.Array, remat: bool = False
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Fix: differentiate with respect to the adapters only (the trainable subtree).
 
     Returns ``(loss, adapter gradients)``. Same as ``jax.grad(f, argnums=...)`` with the
     adapters passed as their own argument. `remat` checkpoints each layer.
     """
 
-    def loss_of_adapters(lora):
+    def loss_of_adapters(lora: dict[str, jax.Array]) -> jax.Array:
         return loss({"frozen": params["frozen"], "lora": lora}, x, y, remat)
 
     return jax.value_and_grad(loss_of_adapters)(params["lora"])
@@ -115,7 +119,9 @@ def masked_optimizer() -> optax.GradientTransformation:
     )
 
 
-def step_stop_gradient(params: Params, opt_state, x: jax.Array, y: jax.Array):
+def step_stop_gradient(
+    params: Params, opt_state: Any, x: jax.Array, y: jax.Array
+) -> tuple[Params, Any, jax.Array]:
     """The reproduction's train step: stop_gradient on the frozen weights, Adam on the whole tree.
 
     Returns ``(new params, new optimizer state, loss)``.
@@ -125,14 +131,24 @@ def step_stop_gradient(params: Params, opt_state, x: jax.Array, y: jax.Array):
     return optax.apply_updates(params, updates), opt_state, value
 
 
-def step_masked(params: Params, opt_state, x: jax.Array, y: jax.Array):
+def step_masked(
+    params: Params, opt_state: Any, x: jax.Array, y: jax.Array
+) -> tuple[Params, Any, jax.Array]:
     """Train step: the gradient of the whole tree, then `masked_optimizer` (frozen: no update)."""
     value, grads = jax.value_and_grad(loss)(params, x, y)
     updates, opt_state = masked_optimizer().update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
 
-def step_trainable(params: Params, opt_state, x: jax.Array, y: jax.Array, grad=grad_trainable):
+def step_trainable(
+    params: Params,
+    opt_state: Any,
+    x: jax.Array,
+    y: jax.Array,
+    grad: Callable[
+        [Params, jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]
+    ] = grad_trainable,
+) -> tuple[Params, Any, jax.Array]:
     """Fix: differentiate and update the adapters only; the frozen weights pass through."""
     value, grads = grad(params, x, y)
     updates, opt_state = OPTIMIZER.update(grads, opt_state, params["lora"])
@@ -164,9 +180,10 @@ def _params(scale: Mapping[str, Any], concrete: bool) -> Params:
     shapes = {"frozen": {"w": (layers, width, width)}, "lora": {"a": (layers, width, rank)}}
     shapes["lora"]["b"] = (layers, rank, width)
     if not concrete:
-        return jax.tree.map(
+        abstract: Params = jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=_is_shape
         )
+        return abstract
     rng = np.random.default_rng(0)
     scales = {"w": 1 / np.sqrt(width), "a": 1 / np.sqrt(width), "b": 1 / np.sqrt(rank)}
     return {
@@ -197,10 +214,12 @@ def _opt_state(init: Callable[[Any], Any], params: Any, concrete: bool) -> Any:
     return init(params) if concrete else jax.eval_shape(init, params)
 
 
-def _inputs(optimizer_of: Callable[[Params], tuple[Callable[[Any], Any], Any]]):
+def _inputs(
+    optimizer_of: Callable[[Params], tuple[Callable[[Any], Any], Any]],
+) -> Callable[[Mapping[str, Any], Mapping[str, Any], bool], tuple[Any, ...]]:
     """Args for a variant: ``(params, x, y)``, or ``(params, opt_state, x, y)`` for steps."""
 
-    def args(scale, p, concrete):
+    def args(scale: Mapping[str, Any], p: Mapping[str, Any], concrete: bool) -> tuple[Any, ...]:
         params = _params(scale, concrete)
         x, y = _batch(scale, concrete)
         if p["program"] == "gradient":
@@ -211,7 +230,7 @@ def _inputs(optimizer_of: Callable[[Params], tuple[Callable[[Any], Any], Any]]):
     return args
 
 
-def _loss_inputs(scale, p, concrete):
+def _loss_inputs(scale: Mapping[str, Any], p: Mapping[str, Any], concrete: bool) -> tuple[Any, ...]:
     return (_params(scale, concrete), *_batch(scale, concrete))
 
 
@@ -220,7 +239,9 @@ _MASKED = _inputs(lambda params: (masked_optimizer().init, params))
 _ADAPTERS_ADAM = _inputs(lambda params: (OPTIMIZER.init, params["lora"]))
 
 
-def _program(gradient: Callable[..., Any], step: Callable[..., Any]):
+def _program(
+    gradient: Callable[..., Any], step: Callable[..., Any]
+) -> Callable[[Mapping[str, Any]], Callable[..., Any]]:
     return lambda p: gradient if p["program"] == "gradient" else jit_step(step)
 
 
@@ -315,26 +336,34 @@ CASE = Case(
 RECOMMENDED = "trainable-remat"
 
 
-def grad_adapters_part(params: Params, x: jax.Array, y: jax.Array):
+def grad_adapters_part(
+    params: Params, x: jax.Array, y: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The whole tree's gradient (stop_gradient on the frozen weights), adapters' part returned."""
     value, grads = grad_stop_gradient(params, x, y)
     return value, grads["lora"]
 
 
-def step_sgd_stop_gradient(params: Params, x: jax.Array, y: jax.Array, lr: float = 1e-3):
+def step_sgd_stop_gradient(
+    params: Params, x: jax.Array, y: jax.Array, lr: float = 1e-3
+) -> tuple[Params, jax.Array]:
     """Train step: stop_gradient on the frozen weights, plain SGD on the whole tree."""
     value, grads = grad_stop_gradient(params, x, y)
     return jax.tree.map(lambda p, g: p - lr * g, params, grads), value
 
 
-def step_sgd_trainable(params: Params, x: jax.Array, y: jax.Array, lr: float = 1e-3):
+def step_sgd_trainable(
+    params: Params, x: jax.Array, y: jax.Array, lr: float = 1e-3
+) -> tuple[Params, jax.Array]:
     """Train step: plain SGD on the adapters only."""
     value, grads = grad_trainable(params, x, y)
     lora = jax.tree.map(lambda p, g: p - lr * g, params["lora"], grads)
     return {"frozen": params["frozen"], "lora": lora}, value
 
 
-def step_masked_stop_gradient(params: Params, opt_state, x: jax.Array, y: jax.Array):
+def step_masked_stop_gradient(
+    params: Params, opt_state: Any, x: jax.Array, y: jax.Array
+) -> tuple[Params, Any, jax.Array]:
     """Train step: stop_gradient on the frozen weights, then `masked_optimizer`."""
     value, grads = grad_stop_gradient(params, x, y)
     updates, opt_state = masked_optimizer().update(grads, opt_state, params)
@@ -459,7 +488,9 @@ def zeros_by_compiler(targets: Sequence[str]) -> list[Any]:
 def loss_stopped_branch(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
     """jax-ml/jax#4853's pattern: each layer's frozen branch computed under stop_gradient."""
 
-    def layer(h, weights):
+    def layer(
+        h: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[jax.Array, None]:
         w, a, b = weights
         return jnp.tanh(lax.stop_gradient(h @ w) + (h @ a) @ b), None
 
@@ -567,7 +598,7 @@ def claims(
     target = result.provenance.target or None
     costs = costs or zero_costs(result.scale, target=target)
     stored = stored or stored_for_backward(result.scale)
-    at = lambda name, program: result.one(name, program=program)
+    at: Callable[[str, str], MemoryReport] = lambda name, program: result.one(name, program=program)
     kept = [c for c in costs if c["zeros"]]
     removed = [c for c in costs if not c["zeros"]]
     frozen = _sizes(CASE.scales[result.scale])["frozen"]

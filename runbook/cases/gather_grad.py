@@ -22,7 +22,7 @@ from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._errors import RunbookError
 from .._history import Note
-from .._measure import measure
+from .._measure import MemoryReport, measure
 from .._provenance import Provenance
 from .._render import Table, fmt_bytes
 
@@ -72,13 +72,15 @@ def loss_chunked(x: jax.Array, idx: jax.Array, chunk: int = 2**22) -> jax.Array:
         raise ValueError(f"`chunk` ({chunk}) must divide the number of rows ({idx.shape[0]})")
     chunks = idx.reshape(-1, chunk, idx.shape[-1])
 
-    def body(total, rows):
+    def body(total: jax.Array, rows: jax.Array) -> tuple[jax.Array, None]:
         return total + loss_whole_index(x, rows), None
 
     return lax.scan(body, jnp.zeros((), x.dtype), chunks)[0]
 
 
-def _args(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool):
+def _args(
+    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
+) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct] | tuple[jax.Array, jax.Array]:
     side, rows = scale["side"], scale["rows"]
     dtype = jnp.dtype(params["index_dtype"])
     if not concrete:
@@ -92,7 +94,9 @@ def _args(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool):
     return jnp.asarray(x), jnp.asarray(idx)
 
 
-def _sharded_args(scale: Mapping[str, Any], params: Mapping[str, Any], mesh: Any):
+def _sharded_args(
+    scale: Mapping[str, Any], params: Mapping[str, Any], mesh: Any
+) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
     """The inputs split the natural way: the index rows over the mesh, `x` on every device."""
     x, idx = _args(scale, params, False)
     return (
@@ -102,7 +106,8 @@ def _sharded_args(scale: Mapping[str, Any], params: Mapping[str, Any], mesh: Any
 
 
 def _chunk(scale: Mapping[str, Any]) -> int:
-    return min(scale["chunk"], scale["rows"])
+    chunk: int = min(scale["chunk"], scale["rows"])
+    return chunk
 
 
 CASE = Case(
@@ -237,7 +242,7 @@ def flag_table(scale: str = "seed") -> Table:
     )
 
 
-def _needs(result: CaseResult, name: str, **params: Any):
+def _needs(result: CaseResult, name: str, **params: Any) -> MemoryReport:
     """The report, or why this target could not measure it (a `RunbookError`)."""
     found = result.select(name, **params)
     if found:

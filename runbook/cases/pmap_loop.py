@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _subprocess, _targets
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
-from .._measure import compile_fn, measure
+from .._measure import MemoryReport, compile_fn, measure
 from .._render import fmt_bytes
 
 DEVICES = 4
@@ -56,12 +56,13 @@ def loop_sum(inds: jax.Array, inputs: jax.Array, width: int) -> jax.Array:
 def fori_sum(inds: jax.Array, inputs: jax.Array, width: int) -> jax.Array:
     """The same sum as a rolled loop: one copy of the body, reused every iteration."""
 
-    def body(i, total):
+    def body(i: jax.Array, total: jax.Array) -> jax.Array:
         return total + expensive(inputs[inds[i]], width)
 
     # zeros_like(an element) rather than zeros(()): inside shard_map the carry must vary
     # across devices like the values added to it.
-    return lax.fori_loop(0, inds.shape[0], body, jnp.zeros_like(inputs[0, 0]))
+    total: jax.Array = lax.fori_loop(0, inds.shape[0], body, jnp.zeros_like(inputs[0, 0]))
+    return total
 
 
 def map_sum(inds: jax.Array, inputs: jax.Array, width: int, batch_size: int = 4) -> jax.Array:
@@ -75,17 +76,29 @@ def vmap_sum(inds: jax.Array, inputs: jax.Array, width: int) -> jax.Array:
     return jnp.sum(jax.vmap(lambda i: expensive(inputs[i], width))(inds))
 
 
-def pmapped(body, width: int, *, sharded: bool = False, devices=None):
+def pmapped(
+    body: Callable[..., jax.Array],
+    width: int,
+    *,
+    sharded: bool = False,
+    devices: Sequence[jax.Device] | None = None,
+) -> Callable[..., Any]:
     """``jax.pmap`` of `body`: the input replicated (``in_axes=None``) or split by rows."""
     in_axes = (0, 0 if sharded else None)
-    return jax.pmap(functools.partial(body, width=width), in_axes=in_axes, devices=devices)
+    mapped: Callable[..., Any] = jax.pmap(
+        functools.partial(body, width=width), in_axes=in_axes, devices=devices
+    )
+    return mapped
 
 
-def shard_mapped(body, width: int, mesh: jax.sharding.Mesh):
+def shard_mapped(
+    body: Callable[[jax.Array, jax.Array, int], jax.Array], width: int, mesh: jax.sharding.Mesh
+) -> jax.stages.Wrapped:
     """The recommended fix: `jax.jit` + `jax.shard_map` over `mesh`'s axis "d", rows
     sharded, loop rolled."""
 
-    def per_device(inds, rows):  # inds: (1, k) local row numbers; rows: this device's rows
+    # inds: (1, k) local row numbers; rows: this device's rows
+    def per_device(inds: jax.Array, rows: jax.Array) -> jax.Array:
         return body(inds[0], rows, width)[None]
 
     spec = P("d")
@@ -93,10 +106,11 @@ def shard_mapped(body, width: int, mesh: jax.sharding.Mesh):
 
 
 def _rows_per_device(scale: Mapping[str, Any]) -> int:
-    return scale["rows"] // DEVICES
+    rows: int = scale["rows"] // DEVICES
+    return rows
 
 
-def _local_indices(scale, params, concrete):
+def _local_indices(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool) -> Any:
     k = params["iterations"]
     if not concrete:
         return jax.ShapeDtypeStruct((DEVICES, k), jnp.int32)
@@ -104,7 +118,7 @@ def _local_indices(scale, params, concrete):
     return rng.integers(0, _rows_per_device(scale), size=(DEVICES, k)).astype(np.int32)
 
 
-def _inputs(scale, concrete):
+def _inputs(scale: Mapping[str, Any], concrete: bool) -> Any:
     shape = (scale["rows"], scale["row"])
     if not concrete:
         return jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -117,11 +131,13 @@ def _mesh() -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(_targets.devices(DEVICES)), ("d",))
 
 
-def _pmapped(body, *, sharded: bool = False):
+def _pmapped(body: Callable[..., jax.Array], *, sharded: bool = False) -> Callable[..., Any]:
     return pmapped(body, _WIDTH, sharded=sharded, devices=_targets.devices(DEVICES))
 
 
-def replicated_args(scale, params, concrete):
+def replicated_args(
+    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
+) -> tuple[Any, Any]:
     """(global indices per device, the whole input): what the user passed to pmap."""
     local = _local_indices(scale, params, concrete)
     x = _inputs(scale, concrete)
@@ -135,7 +151,9 @@ def replicated_args(scale, params, concrete):
     return inds, jax.device_put(x, NamedSharding(mesh, P()))
 
 
-def sharded_pmap_args(scale, params, concrete):
+def sharded_pmap_args(
+    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
+) -> tuple[Any, Any]:
     """(local indices, inputs split into a (devices, rows/devices, row) stack)."""
     inds = _local_indices(scale, params, concrete)
     shape = (DEVICES, _rows_per_device(scale), scale["row"])
@@ -147,7 +165,9 @@ def sharded_pmap_args(scale, params, concrete):
     )
 
 
-def sharded_jit_args(scale, params, concrete):
+def sharded_jit_args(
+    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
+) -> tuple[Any, Any]:
     """(local indices, the whole input), both sharded over devices along their first axis."""
     sharding = NamedSharding(_mesh(), P("d"))
     inds, x = _local_indices(scale, params, concrete), _inputs(scale, concrete)
@@ -159,7 +179,9 @@ def sharded_jit_args(scale, params, concrete):
     return jax.device_put(inds, sharding), jax.device_put(x, sharding)
 
 
-def serial_args(scale, params, concrete):
+def serial_args(
+    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
+) -> tuple[Any, Any]:
     """One device's share of the work: its indices and the whole input."""
     if not concrete:
         inds, x = replicated_args(scale, params, False)
@@ -174,7 +196,8 @@ def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]
     indices = params["iterations"] * 4
     output = 4
     product = (scale["row"] // scale["width"]) ** 2 * 4
-    return inputs + indices + output + product
+    floor: int = inputs + indices + output + product
+    return floor
 
 
 _REPLICATED = {"serial", "pmap-loop", "pmap-fori", "pmap-map", "pmap-vmap"}
@@ -305,7 +328,7 @@ def _claims(result: CaseResult, target: str | None) -> list[Claim]:
     scale = CASE.scales[result.scale]
     ks = [p["iterations"] for p in CASE.grid(scale)]
     lo, hi = ks[0], ks[-1]
-    at = lambda name, k: result.one(name, iterations=k)
+    at: Callable[[str, int], MemoryReport] = lambda name, k: result.one(name, iterations=k)
     loop, serial = at("pmap-loop", hi), at("serial", hi)
     # pmap would multiply memory by the device count; schedules may differ by a few KiB.
     ratios = [at("pmap-loop", k).total / at("serial", k).total for k in ks]

@@ -59,7 +59,7 @@ def step(h: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
 def final_state(w: jax.Array, h0: jax.Array, xs: jax.Array) -> jax.Array:
     """`lax.scan` of `step` from `h0` over the steps of `xs` (one row of `xs` per step)."""
 
-    def body(h, x):
+    def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
         return step(h, x, w), None
 
     h, _ = lax.scan(body, h0, xs)
@@ -88,7 +88,7 @@ def loss_remat_body(w: jax.Array, h0: jax.Array, xs: jax.Array) -> jax.Array:
     step's matrix product and `tanh` from it.
     """
 
-    def body(h, x):
+    def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
         return step(h, x, w), None
 
     h, _ = lax.scan(jax.checkpoint(body), h0, xs)
@@ -107,7 +107,7 @@ def loss_remat_policy(
     products saves the most expensive recomputation and stores one more array per step.
     """
 
-    def body(h, x):
+    def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
         return step(h, x, w), None
 
     h, _ = lax.scan(jax.checkpoint(body, policy=policy), h0, xs)
@@ -133,10 +133,10 @@ def loss_nested(
     if steps % segments:
         raise ValueError(f"`segments` ({segments}) must divide the number of steps ({steps})")
 
-    def body(h, x):
+    def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
         return step(h, x, w), None
 
-    def segment(h, xs_segment):
+    def segment(h: jax.Array, xs_segment: jax.Array) -> tuple[jax.Array, None]:
         return lax.scan(jax.checkpoint(body), h, xs_segment)[0], None
 
     chunks = xs.reshape(segments, steps // segments, *xs.shape[1:])
@@ -147,7 +147,7 @@ def loss_nested(
 def loss_unrolled(w: jax.Array, h0: jax.Array, xs: jax.Array) -> jax.Array:
     """The loop fully unrolled (``lax.scan(..., unroll=True)``): one copy of the body per step."""
 
-    def body(h, x):
+    def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
         return step(h, x, w), None
 
     h, _ = lax.scan(body, h0, xs, unroll=True)
@@ -166,7 +166,9 @@ def loss_layers(ws: jax.Array, h0: jax.Array, xs: jax.Array, whole: bool = False
     return jnp.sum(h)
 
 
-def _args(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool):
+def _args(
+    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
+) -> tuple[jax.ShapeDtypeStruct, ...] | tuple[jax.Array, jax.Array, jax.Array]:
     batch, hidden, steps = scale["batch"], scale["hidden"], params["steps"]
     shapes = ((hidden, hidden), (batch, hidden), (steps, hidden))
     if not concrete:
@@ -180,7 +182,8 @@ def _args(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool):
 
 def carry_bytes(scale: Mapping[str, Any]) -> int:
     """Bytes of one carry: a ``(batch, hidden)`` float32 state."""
-    return scale["batch"] * scale["hidden"] * 4
+    carry: int = scale["batch"] * scale["hidden"] * 4
+    return carry
 
 
 def saved_carries(variant: str, steps: int) -> int:
@@ -204,7 +207,8 @@ def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]
     hidden, batch, steps = scale["hidden"], scale["batch"], params["steps"]
     arguments = (hidden * hidden + batch * hidden + steps * hidden) * 4
     outputs = 4 if variant.name == "forward" else 4 + hidden * hidden * 4
-    return arguments + outputs + saved_carries(variant.name, steps) * carry_bytes(scale)
+    floor: int = arguments + outputs + saved_carries(variant.name, steps) * carry_bytes(scale)
+    return floor
 
 
 CASE = Case(
@@ -440,7 +444,7 @@ def reports_table(result: CaseResult, layers: Sequence[MemoryReport]) -> Table:
 def _dynamic_fori_error() -> str:
     """What `jax.grad` says about a `fori_loop` whose trip count is a traced value."""
 
-    def dynamic(w, h0, xs, n):
+    def dynamic(w: jax.Array, h0: jax.Array, xs: jax.Array, n: jax.Array) -> jax.Array:
         return jnp.sum(lax.fori_loop(0, n, lambda t, h: step(h, xs[t], w), h0))
 
     args = (*_args(CASE.scales["tiny"], {"steps": 16}, False), jnp.int32(16))
@@ -470,7 +474,7 @@ def claims(
 def _claims(result: CaseResult, scale: Mapping[str, Any], target: str | None) -> list[Claim]:
     carry = carry_bytes(scale)
     steps = [p["steps"] for p in CASE.grid(scale)]
-    at = lambda name, t: result.one(name, steps=t)
+    at: Callable[[str, int], MemoryReport] = lambda name, t: result.one(name, steps=t)
     lo, hi = steps[0], steps[-1]
     out = []
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 import gc
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ from .._measure import MemoryReport, measure
 from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from .._runtime import runtime_peak
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # What the reports say, quoted; ours is measured beside it.
 REPORTS = {
@@ -56,7 +59,8 @@ def set_and_sum(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 def set_and_sum_rolled(x: jax.Array, idx: jax.Array) -> jax.Array:
     """A rolled loop: `lax.map` without a batch size runs one example at a time."""
-    return lax.map(lambda i: per_example(x, i), idx)
+    sums: jax.Array = lax.map(lambda i: per_example(x, i), idx)
+    return sums
 
 
 def set_and_sum_mapped(x: jax.Array, idx: jax.Array, batch_size: int = 100) -> jax.Array:
@@ -65,7 +69,8 @@ def set_and_sum_mapped(x: jax.Array, idx: jax.Array, batch_size: int = 100) -> j
     ``batch_size`` examples' copies of `x` exist at once. Choose it to divide ``len(idx)``:
     otherwise `lax.map` computes the remainder apart and concatenates (a copy of the output).
     """
-    return lax.map(lambda i: per_example(x, i), idx, batch_size=batch_size)
+    sums: jax.Array = lax.map(lambda i: per_example(x, i), idx, batch_size=batch_size)
+    return sums
 
 
 def set_and_sum_rewrite(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -100,7 +105,7 @@ def _in_flight(variant: str, n: int) -> int:
     return 0
 
 
-def _inputs(scale: Mapping[str, Any], p: Mapping[str, Any], concrete: bool):
+def _inputs(scale: Mapping[str, Any], p: Mapping[str, Any], concrete: bool) -> tuple[Any, Any]:
     n = scale["n"]
     if not concrete:
         return jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32)
@@ -196,11 +201,12 @@ def loop_run(scale: str | None = None, repeats: int = 3) -> dict[str, Any]:
     peak growth, inputs included), ``seconds`` (best of `repeats`), ``calls``."""
     scale = scale or CASE.runnable_scale
     request = {"kind": "python-loop", "case": CASE.name, "scale": scale, "repeats": repeats}
-    return _cache.cached(
+    run: dict[str, Any] = _cache.cached(
         request,
         functools.partial(_subprocess.call, f"{__name__}:_loop_json", scale=scale, repeats=repeats),
         module=__name__,
     )
+    return run
 
 
 def loop_program(scale_name: str = "seed", target: str | None = None) -> MemoryReport:
@@ -258,7 +264,7 @@ def loop_table(runs: Mapping[str, Any]) -> Table:
     )
 
 
-def tradeoff_figure(result: CaseResult, runs: Mapping[str, Any]):
+def tradeoff_figure(result: CaseResult, runs: Mapping[str, Any]) -> Figure:
     """Memory (seed scale, compile time) and run time (runnable scale) against the number of
     examples in flight: 1 (rolled), k (lax.map), every index (vmap)."""
     import matplotlib.pyplot as plt
@@ -317,7 +323,9 @@ def rbf(x: jax.Array, y: jax.Array, which: jax.Array) -> jax.Array:
     return jnp.exp(-jnp.sum(which * (x - y) ** 2))
 
 
-def gram_nested(kernel, xs: jax.Array, which: jax.Array) -> jax.Array:
+def gram_nested(
+    kernel: Callable[[jax.Array, jax.Array, jax.Array], jax.Array], xs: jax.Array, which: jax.Array
+) -> jax.Array:
     """The kernel matrix of `xs` by two nested `vmap`s, as in jax-ml/jax#21377."""
     row = jax.vmap(kernel, in_axes=(0, None, None))
     return jax.vmap(row, in_axes=(None, 0, None))(xs, xs, which)
@@ -330,21 +338,36 @@ def gram_matmul(xs: jax.Array, which: jax.Array) -> jax.Array:
     return jnp.exp(-(sq[:, None] + sq[None, :] - 2 * xw @ xs.T))
 
 
-def activation(gram, xs: jax.Array, which: jax.Array, yb: jax.Array) -> jax.Array:
+def activation(
+    gram: Callable[[jax.Array, jax.Array], jax.Array],
+    xs: jax.Array,
+    which: jax.Array,
+    yb: jax.Array,
+) -> jax.Array:
     """jax-ml/jax#21377's quantity for one mask: ``yb . (K yb)``."""
     return jnp.dot(yb, gram(xs, which) @ yb)
 
 
-def activations_vmap(gram, xs: jax.Array, masks: jax.Array, ys: jax.Array) -> jax.Array:
+def activations_vmap(
+    gram: Callable[[jax.Array, jax.Array], jax.Array],
+    xs: jax.Array,
+    masks: jax.Array,
+    ys: jax.Array,
+) -> jax.Array:
     """Every mask at once, under `vmap` (the report's code)."""
     return jax.vmap(functools.partial(activation, gram), in_axes=(None, 0, 0))(xs, masks, ys)
 
 
 def activations_mapped(
-    gram, xs: jax.Array, masks: jax.Array, ys: jax.Array, batch_size: int = PAIRWISE_BATCH
+    gram: Callable[[jax.Array, jax.Array], jax.Array],
+    xs: jax.Array,
+    masks: jax.Array,
+    ys: jax.Array,
+    batch_size: int = PAIRWISE_BATCH,
 ) -> jax.Array:
     """`batch_size` masks at a time, under `lax.map`."""
-    return lax.map(lambda m: activation(gram, xs, *m), (masks, ys), batch_size=batch_size)
+    out: jax.Array = lax.map(lambda m: activation(gram, xs, *m), (masks, ys), batch_size=batch_size)
+    return out
 
 
 def pairwise_programs() -> list[tuple[str, Any]]:
@@ -366,10 +389,15 @@ def pairwise_programs() -> list[tuple[str, Any]]:
     ]  # fmt: skip
 
 
-def _pairwise_inputs(scale: Mapping[str, int], concrete: bool):
+def _pairwise_inputs(
+    scale: Mapping[str, int], concrete: bool
+) -> (
+    tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]
+    | tuple[jax.Array, jax.Array, jax.Array]
+):
     n, d, m = scale["n"], scale["d"], scale["masks"]
     if not concrete:
-        f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+        f: Callable[..., jax.ShapeDtypeStruct] = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
         return f(n, d), f(m, d), f(m, n)
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((n, d), dtype=np.float32) / np.sqrt(d)

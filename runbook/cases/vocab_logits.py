@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
@@ -80,12 +81,12 @@ def loss_token_chunks(
         raise ValueError(f"`chunks` ({chunks}) must divide the number of tokens ({n})")
 
     @jax.checkpoint
-    def chunk_loss(h_chunk, labels_chunk):
+    def chunk_loss(h_chunk: jax.Array, labels_chunk: jax.Array) -> jax.Array:
         logits = (h_chunk @ w).astype(jnp.float32)
         picked = jnp.take_along_axis(logits, labels_chunk[:, None], axis=-1)[:, 0]
         return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
 
-    def body(total, chunk):
+    def body(total: jax.Array, chunk: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
         return total + chunk_loss(*chunk), None
 
     pieces = (h.reshape(chunks, n // chunks, -1), labels.reshape(chunks, n // chunks))
@@ -97,7 +98,9 @@ def _vocab_slice(w: jax.Array, i: jax.Array, size: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(w, i * size, size, axis=1)
 
 
-def _label_logits(logits, labels, i, size):
+def _label_logits(
+    logits: jax.Array, labels: jax.Array, i: jax.Array, size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each token's own logit if its label falls in vocabulary slice `i`, else 0."""
     local = labels - i * size
     inside = (local >= 0) & (local < size)
@@ -118,12 +121,16 @@ def loss_vocab_tiles(
     return _vocab_tiles_forward(h, w, labels, chunks)[0]
 
 
-def _vocab_tiles_forward(h, w, labels, chunks):
+def _vocab_tiles_forward(
+    h: jax.Array, w: jax.Array, labels: jax.Array, chunks: int
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
     n, size = h.shape[0], w.shape[1] // chunks
     if w.shape[1] % chunks:
         raise ValueError(f"`chunks` ({chunks}) must divide the vocabulary ({w.shape[1]})")
 
-    def body(carry, i):
+    def body(
+        carry: tuple[jax.Array, jax.Array, jax.Array], i: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
         top, total, picked = carry
         logits = (h @ _vocab_slice(w, i, size)).astype(jnp.float32)
         new_top = jnp.maximum(top, logits.max(axis=-1))
@@ -136,11 +143,17 @@ def _vocab_tiles_forward(h, w, labels, chunks):
     return jnp.sum(log_sum_exp - picked), (h, w, labels, log_sum_exp)
 
 
-def _vocab_tiles_backward(chunks, residuals, cotangent):
+def _vocab_tiles_backward(
+    chunks: int,
+    residuals: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    cotangent: jax.Array,
+) -> tuple[jax.Array, jax.Array, None]:
     h, w, labels, log_sum_exp = residuals
     size = w.shape[1] // chunks
 
-    def body(carry, i):
+    def body(
+        carry: tuple[jax.Array, jax.Array], i: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array], None]:
         dh, dw = carry
         w_slice = _vocab_slice(w, i, size)
         logits = (h @ w_slice).astype(jnp.float32)
@@ -159,11 +172,19 @@ def _vocab_tiles_backward(chunks, residuals, cotangent):
 loss_vocab_tiles.defvjp(_vocab_tiles_forward, _vocab_tiles_backward)
 
 
-def _grad(loss):
+def _grad(loss: Callable[..., jax.Array]) -> Callable[..., tuple[Any, Any]]:
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def _args(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool, dtype=jnp.float32):
+def _args(
+    scale: Mapping[str, Any],
+    params: Mapping[str, Any],
+    concrete: bool,
+    dtype: DTypeLike = jnp.float32,
+) -> (
+    tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]
+    | tuple[jax.Array, jax.Array, jax.Array]
+):
     n, d, v = params["tokens"], scale["hidden"], scale["vocab"]
     if not concrete:
         return (
@@ -180,19 +201,21 @@ def _args(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool, d
 
 def chunk_elements(variant: str, scale: Mapping[str, Any], tokens: int) -> int:
     """Elements of the largest tokens x vocabulary array the strategy must hold at once."""
+    elements: int = tokens * scale["vocab"]
     if variant in ("tokens-chunked", "vocab-tiled"):
-        return tokens * scale["vocab"] // CHUNKS
-    return tokens * scale["vocab"]
+        return elements // CHUNKS
+    return elements
 
 
 def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:
     """Inputs, loss and gradients (``N·D + V·D``, twice, and the labels) plus float32 logits:
     all of them for the whole-logits strategies, one chunk for the fixes."""
     n, d, v = params["tokens"], scale["hidden"], scale["vocab"]
-    inputs = (n * d + d * v) * 4 + n * 4
+    inputs: int = (n * d + d * v) * 4 + n * 4
     if variant.role == "baseline":
         return inputs + 4
-    return inputs + 4 + (n * d + d * v) * 4 + chunk_elements(variant.name, scale, n) * 4
+    floor: int = inputs + 4 + (n * d + d * v) * 4 + chunk_elements(variant.name, scale, n) * 4
+    return floor
 
 
 CASE = Case(
@@ -427,7 +450,10 @@ def claims(
     size = CASE.scales[result.scale]
     tokens = [p["tokens"] for p in CASE.grid(size)]
     n = tokens[-1]
-    at = lambda name, t=n: result.one(name, tokens=t)
+
+    def at(name: str, t: int = n) -> MemoryReport:
+        return result.one(name, tokens=t)
+
     row = {(r["labels"], r["logits"]): r for r in labels_dtypes}
     out = []
 

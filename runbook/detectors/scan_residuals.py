@@ -9,6 +9,7 @@ step's inputs (the carry) are stored even then, which only nested checkpointing 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 from .._buffers import Buffer
 from .._hlo import Instruction
@@ -59,7 +60,9 @@ def _consumed_by_loop(program: Program, loop: Instruction, index: int) -> bool:
     return False
 
 
-def _stacked(program: Program, loop: Instruction, steps: int):
+def _stacked(
+    program: Program, loop: Instruction, steps: int
+) -> Iterator[tuple[int, Instruction, Instruction]]:
     """(index, the per-step write, the value written) for each array the loop stacks."""
     body = _body(loop)
     root = program.module.root(body) if body else None
