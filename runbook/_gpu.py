@@ -135,8 +135,8 @@ def measure_runtime(name: str, scale: str, result: Mapping[str, Any]) -> list[di
         except RunbookError as e:  # a crash on the device is a result, like a refusal
             peaks.append({**base, "status": "failed", "reason": _subprocess.failure(e)})
             continue
-        except subprocess.TimeoutExpired:
-            peaks.append({**base, "status": "failed", "reason": "TimeoutExpired"})
+        except subprocess.TimeoutExpired as e:
+            peaks.append({**base, "status": "failed", "reason": _subprocess.one_line(str(e))})
             continue
         peaks.append({
             **base, "status": "ok", "predicted": peak.predicted, "measured": peak.measured,

@@ -427,6 +427,13 @@ def matrix_time(releases: Sequence[Mapping[str, Any]]) -> str:
     return f"{text}, plus installing each environment (not recorded in every file)."
 
 
+def _verdicts(found: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """``{claim key: verdict}`` of one case's recorded claims; None unless decided."""
+    if not found or found["status"] != "ok":
+        return None
+    return {c["key"]: c["verdict"] for c in found["claims"]}
+
+
 def recorded_verdicts(
     case: str, jax_version: str, data_dir: str | pathlib.Path | None = None
 ) -> dict[str, str] | None:
@@ -435,10 +442,7 @@ def recorded_verdicts(
     path = pathlib.Path(data_dir or DATA_DIR) / "versions" / f"{jax_version}.json"
     if not path.exists():
         return None
-    found = json.loads(path.read_text()).get("claims", {}).get("cases", {}).get(case)
-    if not found or found["status"] != "ok":
-        return None
-    return {c["key"]: c["verdict"] for c in found["claims"]}
+    return _verdicts(json.loads(path.read_text()).get("claims", {}).get("cases", {}).get(case))
 
 
 def claims_by_release(case: str, releases: Sequence[Mapping[str, Any]] | None = None) -> Table:
@@ -448,8 +452,9 @@ def claims_by_release(case: str, releases: Sequence[Mapping[str, Any]] | None = 
     text: dict[str, str] = {}  # claim key -> the claim's words, in the order first recorded
     columns: dict[str, dict[str, str] | str] = {}  # release -> verdicts, or why there are none
     for jax, found in recorded.items():
-        if found and found["status"] == "ok":
-            columns[jax] = {c["key"]: c["verdict"] for c in found["claims"]}
+        verdicts = _verdicts(found)
+        if verdicts is not None and found:
+            columns[jax] = verdicts
             text.update({c["key"]: c["claim"] for c in found["claims"]})
         else:
             columns[jax] = found["status"] if found else "not recorded"

@@ -360,10 +360,13 @@ def merge(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
             targets[name] = {**after, "cases": {**before.get("cases", {}), **after["cases"]}}
     merged["targets"] = targets
     if "claims" in old or "claims" in new:
-        before, after = old.get("claims", {}), new.get("claims", {})
-        merged["claims"] = {**before, **after,
-                            "cases": {**before.get("cases", {}), **after.get("cases", {})}}  # fmt: skip
+        merged["claims"] = merge_claims(old.get("claims", {}), new.get("claims", {}))
     return merged
+
+
+def merge_claims(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`old` claims with the cases `new` decided replaced or added; the date is `new`'s."""
+    return {**old, **new, "cases": {**old.get("cases", {}), **new.get("cases", {})}}
 
 
 def write_json(data: dict[str, Any], path: str | os.PathLike[str]) -> pathlib.Path:
@@ -401,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = json.loads(out.read_text())
         found = run_claims(args.case or case_names(), progress=progress)
         if args.case:  # the other cases' claims stay
-            found["cases"] = {**data.get("claims", {}).get("cases", {}), **found["cases"]}
+            found = merge_claims(data.get("claims", {}), found)
         print(write_json({**data, "claims": found}, out))
         return 0
     try:

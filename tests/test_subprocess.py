@@ -32,7 +32,11 @@ def test_flag_trials_record_a_crash_and_the_caller_goes_on(monkeypatch):
         return real(target, **kwargs)
 
     monkeypatch.setattr(_subprocess, "call", crash_on_fusion)
-    rows = gather_grad.flag_table("tiny").rows
+    gather_grad.flag_trials.cache_clear()  # trials another test made, without the crash
+    try:
+        rows = gather_grad.flag_table("tiny").rows
+    finally:
+        gather_grad.flag_trials.cache_clear()  # nor leave the crash to a later test
     assert rows[0][1].startswith("XLA crashed (SIGSEGV), jaxlib ")
     assert all(r[1].endswith("B") for r in rows[1:])  # the others measured: byte figures
 

@@ -7,6 +7,7 @@ you need.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -228,10 +229,19 @@ def flag_trial(
         return flags, f"rejected: {_subprocess.failure(e)}"
 
 
+@functools.cache
+def flag_trials(
+    scale: str = "seed", target: str | None = None
+) -> tuple[tuple[dict[str, Any], int | str], ...]:
+    """`flag_trial` for every option of `FLAG_TRIALS`, once per process: the claims and the
+    page's table read the same trials."""
+    return tuple(flag_trial(flags, scale, target) for flags in FLAG_TRIALS)
+
+
 def flag_table(scale: str = "seed") -> Table:
     """Every XLA option of `FLAG_TRIALS`, each compiled in a fresh process: the gradient's
     temporaries, or why there are none (a crash of XLA's compiler is a finding, not an end)."""
-    trials = [flag_trial(flags, scale) for flags in FLAG_TRIALS]
+    trials = flag_trials(scale)
     rows = [[_option(f), fmt_bytes(t) if isinstance(t, int) else t] for f, t in trials]
     provenance = Provenance.current()
     return Table(
@@ -385,7 +395,7 @@ def claims(
         )
     )
 
-    trials = [flag_trial(flags, result.scale, target) for flags in FLAG_TRIALS] if copied else []
+    trials = flag_trials(result.scale, target) if copied else ()
     best = min((t for _, t in trials if isinstance(t, int)), default=grad.temp)
     tried = "; ".join(
         f"{_option(f)}: {fmt_bytes(t) if isinstance(t, int) else t}" for f, t in trials
