@@ -80,10 +80,15 @@ def test_checks_tell_donated_from_aliased(found):
     assert mixed.unused == donation._sizes(CASE.scales["seed"])["params"]
 
 
-def test_loop_reading_a_donated_array_costs_a_copy(found):
+def test_loop_reading_a_donated_array_costs_a_copy_where_the_release_has_it(found, recorded):
+    # openxla/xla#45912's copy is a release's: the running one's recorded verdict says
+    # whether it copies, and the check must agree exactly either way.
     loop, once = found["update_read_update"], found["update_read_once"]
     assert loop.aliased == loop.donated == once.donated
-    assert loop.temp >= loop.donated
+    if recorded("donation")["loop-copy"] == "confirmed":
+        assert loop.temp >= loop.donated
+    else:
+        assert loop.temp < 0.01 * loop.donated
     assert once.temp < 0.01 * once.donated
 
 
