@@ -297,6 +297,20 @@ def measure_case(
             compiler_options=None if compiler_options is None else dict(compiler_options),
         )
         return CaseResult.from_json(data["result"], data["buffers"])
+    return _measure_here(case, scale, target, buffers, variants, at, compiler_options, progress)
+
+
+def _measure_here(
+    case: Case,
+    scale: str,
+    target: str | None,
+    buffers: bool,
+    variants: Sequence[str] | None,
+    at: Mapping[str, Any] | None,
+    compiler_options: Mapping[str, Any] | None,
+    progress: Callable[[str], None] | None,
+) -> CaseResult:
+    """`measure_case` in this process, whatever its devices and options."""
     t = _targets.require(target) if target is not None else None
     with _targets.compiling_for(t):
         reports, skipped = _measure_variants(
@@ -305,7 +319,7 @@ def measure_case(
     provenance = (
         Provenance.for_target(t.name, case.devices) if t is not None else Provenance.current()
     )
-    return CaseResult(name, scale, provenance, tuple(reports), tuple(skipped))
+    return CaseResult(case.name, scale, provenance, tuple(reports), tuple(skipped))
 
 
 def _measure_variants(
@@ -421,8 +435,10 @@ def _measure_json(
     at: dict[str, Any] | None,
     compiler_options: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    result = measure_case(
-        name, scale, buffers=buffers, variants=variants, at=at, compiler_options=compiler_options
+    # Measured here: this child is the fresh process measure_case asked for (calling
+    # measure_case again would start another child for the same options, and so on).
+    result = _measure_here(
+        get_case(name), scale, None, buffers, variants, at, compiler_options, None
     )
     return {
         "result": result.to_json(),

@@ -19,6 +19,11 @@ from typing import Any
 from ._errors import RunbookError, WontFitError
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+# How deep children may start children. The package nests at most two deep (a release's
+# claims in a child, a multi-device case's in its own); past that a child that starts
+# itself again would fill the machine with processes before any timeout fired.
+_DEPTH_VAR = "RUNBOOK_CHILD_DEPTH"
+MAX_DEPTH = 3
 
 
 class ChildCrashed(RunbookError):
@@ -58,6 +63,11 @@ def _signal_name(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
+def depth() -> int:
+    """How many `call`s deep this process is (0: not a child)."""
+    return int(os.environ.get(_DEPTH_VAR, "0"))
+
+
 def child_env(devices: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a child: `devices` host devices on CPU (GPUs are unaffected)."""
     env = dict(os.environ)
@@ -68,6 +78,7 @@ def child_env(devices: int = 1, extra: Mapping[str, str] | None = None) -> dict[
     # Big allocations always come from mmap and go back to the OS when freed, so that the
     # resident-set peak measures the program rather than the allocator's caching.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+    env[_DEPTH_VAR] = str(depth() + 1)
     env.update(extra or {})
     return env
 
@@ -77,9 +88,15 @@ def call(target: str, /, *, devices: int = 1, timeout: float = 1800, **kwargs: A
 
     Raises:
         ChildCrashed: the child died by a signal (SIGFPE, SIGSEGV, SIGABRT, SIGKILL, ...).
-        RunbookError: it exited with an error, or raised one (its message).
+        RunbookError: it exited with an error, or raised one (its message); or this
+            process is already `MAX_DEPTH` children deep.
         subprocess.TimeoutExpired: it ran past `timeout` seconds and was killed.
     """
+    if depth() >= MAX_DEPTH:
+        raise RunbookError(
+            f"refusing to start a child for {target} at depth {depth()}: a child that starts "
+            "children without end (this is a bug in the runbook; please report it)"
+        )
     request = json.dumps({"target": target, "kwargs": kwargs})
     proc = subprocess.run(
         [sys.executable, "-m", "runbook._subprocess", request],

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+import runbook
 from runbook import _subprocess
-from runbook.cases import gather_grad
+from runbook.cases import gather_grad, pmap_loop
 
 
 @pytest.mark.parametrize(("crash", "signal"), [("_sigsegv", "SIGSEGV"), ("_sigabrt", "SIGABRT")])
@@ -45,3 +46,22 @@ def test_every_flag_trial_of_this_jaxlib_gives_a_figure_or_a_recorded_reason():
     for flags in gather_grad.FLAG_TRIALS:
         got = gather_grad.flag_trial(flags, "tiny")[1]
         assert isinstance(got, int) or got.startswith(("XLA crashed (", "rejected: ")), got
+
+
+def test_children_that_start_themselves_stop_at_the_depth_limit(tmp_path, monkeypatch):
+    (tmp_path / "self_starting.py").write_text(
+        "from runbook import _subprocess\n\n"
+        "def again():\n"
+        "    return _subprocess.call('self_starting:again')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(_subprocess.RunbookError, match=f"at depth {_subprocess.MAX_DEPTH}"):
+        _subprocess.call("self_starting:again")
+
+
+def test_a_trial_of_options_on_a_multi_device_case_measures_in_one_child():
+    # The child measures where it is; it used to call measure_case again, which started a
+    # child for the same options, and so on without end.
+    result = runbook.measure_case("pmap-loop", "tiny", compiler_options={}, at={"iterations": 1})
+    assert {r.name for r in result.reports} == {v.name for v in pmap_loop.CASE.variants}
+    assert result.provenance.devices == pmap_loop.DEVICES
