@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata as _metadata
 import warnings as _warnings
+from typing import TYPE_CHECKING
 
 from . import _releases
 
@@ -27,24 +28,81 @@ from ._quiet import plugin_chatter
 with plugin_chatter():  # the GPU compiler plugin, if installed, logs its missing GPU here
     import jax  # noqa: F401
 
-from ._buffers import Buffer
-from ._case import Case, CaseResult, Variant, case_names, get_case, measure_case, verify
-from ._diagnose import Diagnosis, Finding, diagnose
-from ._errors import DoesNotFitError, RunbookError, UnknownNameError, WontFitError
-from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
-from ._provenance import Provenance
-from ._render import (
-    Table,
-    buffer_table,
-    figures_table,
-    fmt_bytes,
-    peak_table,
-    plot_reports,
-    plot_sweep,
-    report_table,
-)
-from ._runtime import RuntimePeak, runtime_peak
-from ._targets import Target, get_target, target_devices, targets
+# The public names load on first use, so that `import runbook.cases.<case>` (the file a
+# reader copies from) brings in only the case and `runbook._spec`, not the measuring core.
+_PUBLIC = {
+    "Buffer": "_buffers",
+    "Case": "_spec",
+    "Variant": "_spec",
+    "CaseResult": "_case",
+    "case_names": "_case",
+    "get_case": "_case",
+    "measure_case": "_case",
+    "verify": "_case",
+    "Diagnosis": "_diagnose",
+    "Finding": "_diagnose",
+    "diagnose": "_diagnose",
+    "DoesNotFitError": "_errors",
+    "RunbookError": "_errors",
+    "UnknownNameError": "_errors",
+    "WontFitError": "_errors",
+    "MemoryReport": "_measure",
+    "compile_fn": "_measure",
+    "largest_buffers": "_measure",
+    "measure": "_measure",
+    "xla_usage_report_total": "_measure",
+    "Provenance": "_provenance",
+    "Table": "_render",
+    "buffer_table": "_render",
+    "figures_table": "_render",
+    "fmt_bytes": "_render",
+    "peak_table": "_render",
+    "plot_reports": "_render",
+    "plot_sweep": "_render",
+    "report_table": "_render",
+    "RuntimePeak": "_runtime",
+    "runtime_peak": "_runtime",
+    "Target": "_targets",
+    "get_target": "_targets",
+    "target_devices": "_targets",
+    "targets": "_targets",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _PUBLIC:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+        globals()[name] = value  # once: later lookups do not come back here
+        return value
+    raise AttributeError(f"module 'runbook' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+if TYPE_CHECKING:  # what the names above are, for type checkers and editors
+    from ._buffers import Buffer
+    from ._case import CaseResult, case_names, get_case, measure_case, verify
+    from ._diagnose import Diagnosis, Finding, diagnose
+    from ._errors import DoesNotFitError, RunbookError, UnknownNameError, WontFitError
+    from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
+    from ._provenance import Provenance
+    from ._render import (
+        Table,
+        buffer_table,
+        figures_table,
+        fmt_bytes,
+        peak_table,
+        plot_reports,
+        plot_sweep,
+        report_table,
+    )
+    from ._runtime import RuntimePeak, runtime_peak
+    from ._spec import Case, Variant
+    from ._targets import Target, get_target, target_devices, targets
 
 __version__ = "0.1.0"
 

@@ -7,11 +7,10 @@ target's own XLA compiler (see `runbook.targets()`); nothing ran on the device.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._case import _CASES, CaseResult, get_case, measure_case
+from ._case import CaseResult, get_case, measure_case, page_module
 from ._claims import Claim
 from ._errors import DoesNotFitError, RunbookError
 from ._history import Note
@@ -429,7 +428,7 @@ def claims_by_target(
     decided at the case's runnable scale and the key says so; where they cannot be decided
     at all, the value is the reason. `cpu`: this backend's claims, when a page has them.
     """
-    module = importlib.import_module(_CASES[case])
+    module = page_module(case)
     small = get_case(case).runnable_scale
 
     def decide(name: str) -> tuple[str, list[Claim] | str]:

@@ -22,7 +22,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import __version__, _matrix, _subprocess
+from . import __version__, _matrix, _provenance, _subprocess
 from ._case import case_names, get_case, measure_case
 from ._errors import RunbookError
 from ._measure import compile_fn, measure
@@ -183,7 +183,7 @@ def run(
     p = Provenance.current()
     data: dict[str, Any] = {
         "jax": p.jax, "jaxlib": p.jaxlib, "backend": p.backend, "device_kind": p.device_kind,
-        "generated": p.date, "machine": p.machine, "host": _matrix.host(), "runbook": __version__,
+        "generated": p.date, "machine": p.machine, "host": _provenance.host(), "runbook": __version__,
         "measure_case_seconds": case_seconds(names, progress),
         "measure_overhead": measure_overhead(names, progress),
         "fix_runtimes": fix_runtimes(names, progress),

@@ -41,17 +41,27 @@ def _hash_files(paths: list[pathlib.Path]) -> str:
     return digest.hexdigest()
 
 
+def _per_case(path: pathlib.Path) -> bool:
+    """A case module, or a case's page module (``runbook/site/<case>.py``)."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] == "cases" or (parts[0] == "site" and parts[-1] != "__init__.py")
+
+
 @functools.cache
 def core_hash() -> str:
-    """The measurement core: every module of the package but the cases."""
-    return _hash_files([p for p in PACKAGE.rglob("*.py") if "cases" not in p.parts])
+    """The measurement core: every module of the package but the cases and their pages."""
+    return _hash_files([p for p in PACKAGE.rglob("*.py") if not _per_case(p)])
 
 
 @functools.cache
 def module_hash(module: str) -> str:
-    """One case module's source (``runbook.cases.gather_grad``)."""
+    """A case module's source (``runbook.cases.gather_grad``); for a case's page module
+    (``runbook.site.gather_grad``), its source and its case's, which it measures."""
     relative = module.split(".", 1)[1].replace(".", "/") + ".py"
-    return _hash_files([PACKAGE / relative])
+    paths = [PACKAGE / relative]
+    if relative.startswith("site/"):
+        paths.append(PACKAGE / "cases" / relative.removeprefix("site/"))
+    return _hash_files(paths)
 
 
 @functools.cache
@@ -70,7 +80,7 @@ def _machine() -> str:
     """This machine, as far as real runs depend on it: processor, cores, OS."""
     import platform
 
-    from ._matrix import host
+    from ._provenance import host
 
     found = host()
     return f"{platform.system()} {platform.machine()}, {found['cpu']}, {found['cores']} cores"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import inspect
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -18,107 +18,7 @@ from ._errors import DoesNotFitError, RunbookError, UnknownNameError
 from ._measure import MemoryReport, compile_fn, measure
 from ._provenance import Provenance
 from ._quiet import start_backend
-
-ROLES = ("baseline", "reproduction", "fix")
-Params = Mapping[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One program of a case. `program(params)` returns the function to compile."""
-
-    name: str
-    role: str
-    summary: str
-    program: Callable[[Params], Callable[..., Any]]
-    since: str = ""  # a JAX API this variant needs, e.g. "jax.shard_map"
-    args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]] | None = None
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"`role` must be one of {ROLES}, got {self.role!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """A memory problem: its variants, the scales it runs at and the grid of points.
-
-    Attributes:
-        args: ``args(scale, params, concrete)`` gives the inputs: `jax.ShapeDtypeStruct`s,
-            or real arrays when `concrete` (only at a runnable scale).
-        grid: ``grid(scale)`` lists the params each variant is measured at.
-        floor: optional analytic floor per device, ``floor(variant, scale, params)``.
-        options: ``options()`` gives the XLA options for every compilation of the case.
-        cause: why it happens, in a phrase (the case page shows the evidence).
-        recommended: the fix the case page recommends (default: the smallest fix).
-        shard: ``shard(scale, params, mesh)`` gives abstract inputs split over `mesh`'s axis
-            "d" the way the program splits naturally, to ask how many devices it needs.
-        compare: optional ``compare(result)``: the part of a variant's result that the
-            same-result check compares (default: all of it), for variants whose results
-            differ in structure, not in value (e.g. one returns zero gradients for frozen
-            weights that another never computes).
-        figures: optional ``figures(variant, scale, params)``: figures the compiler's
-            analysis cannot give (e.g. a real run's host resident set), by name, in bytes;
-            called for this process's backend only (never for a target), stored in each
-            report's ``figures``.
-        key_figure: the name, in ``figures``, of the figure that shows the problem where
-            the compiler's total does not (the landing table shows it for this machine).
-    """
-
-    name: str
-    title: str
-    symptom: str
-    devices: int
-    scales: Mapping[str, Mapping[str, Any]]
-    variants: Sequence[Variant]
-    args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]]
-    grid: Callable[[Mapping[str, Any]], list[dict[str, Any]]]
-    floor: Callable[[Variant, Mapping[str, Any], Params], int] | None = None
-    options: Callable[[], Mapping[str, Any]] = dict
-    tolerance: float = 1e-5
-    runnable_scale: str = "small"
-    cause: str = ""
-    recommended: str | None = None
-    shard: Callable[[Mapping[str, Any], Params, Any], tuple[Any, ...]] | None = None
-    compare: Callable[[Any], Any] | None = None
-    figures: Callable[[Variant, Mapping[str, Any], Params], Mapping[str, int]] | None = None
-    key_figure: str | None = None
-
-    def variant(self, name: str) -> Variant:
-        for v in self.variants:
-            if v.name == name:
-                return v
-        valid = ", ".join(v.name for v in self.variants)
-        raise UnknownNameError(f"unknown variant {name!r} of case {self.name!r}; valid: {valid}")
-
-    def inputs(
-        self, variant: Variant, scale: Mapping[str, Any], params: Params, concrete: bool
-    ) -> tuple[Any, ...]:
-        """The arguments `variant` is called with (abstract unless `concrete`)."""
-        return (variant.args or self.args)(scale, params, concrete)
-
-    def scale(self, name: str) -> Mapping[str, Any]:
-        if name not in self.scales:
-            valid = ", ".join(self.scales)
-            raise RunbookError(f"unknown scale {name!r} for case {self.name!r}; valid: {valid}")
-        return self.scales[name]
-
-    def available(self, variant: Variant) -> bool:
-        """False when this JAX lacks an API the variant needs.
-
-        `since` names an attribute path ("jax.shard_map") or a keyword argument of one
-        ("jax.lax.map(batch_size=)").
-        """
-        if not variant.since:
-            return True
-        path, _, keyword = variant.since.partition("(")
-        obj: Any = importlib.import_module(path.split(".")[0])
-        for part in path.split(".")[1:]:
-            obj = getattr(obj, part, None)
-        if obj is None or not keyword:
-            return obj is not None
-        return keyword.rstrip("=)") in inspect.signature(obj).parameters
-
+from ._spec import Case, Params, Variant
 
 _CASES = {
     "gather-grad": "runbook.cases.gather_grad",
@@ -135,6 +35,12 @@ _CASES = {
 def case_names() -> list[str]:
     """Names of every case, in the order the site presents them."""
     return list(_CASES)
+
+
+def page_module(name: str) -> ModuleType:
+    """Case `name`'s page module, ``runbook.site.<case>``: its claims and its page's experiments."""
+    get_case(name)  # an unknown name gets the one clear error
+    return importlib.import_module(_CASES[name].replace(".cases.", ".site.", 1))
 
 
 def get_case(name: str) -> Case:
@@ -390,10 +296,12 @@ def _figures(
     assert case.figures is not None
     request = {"kind": "case-figures", "case": case.name, "scale": scale,
                "name": variant.name, "params": dict(params)}  # fmt: skip
+    module, _, name = case.figures.partition(":")
+    function = getattr(importlib.import_module(module), name)
     got = _cache.cached(
         request,
-        lambda: {k: int(v) for k, v in case.figures(variant, size, params).items()},  # type: ignore[misc]
-        module=_CASES[case.name],
+        lambda: {k: int(v) for k, v in function(variant, size, params).items()},
+        module=module,
     )
     return dict(got)
 

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import __version__, _matrix, _subprocess
+from . import __version__, _matrix, _provenance, _subprocess
 from ._case import case_names, get_case, measure_case
 from ._errors import RunbookError, WontFitError
 from ._provenance import Provenance
@@ -236,7 +236,7 @@ def collect(
     p = Provenance.current()
     return {
         **info, "backend": p.backend, "jax": p.jax, "jaxlib": p.jaxlib, "generated": p.date,
-        "machine": p.machine, "host": _matrix.host(), "runbook": __version__, "safety": SAFETY,
+        "machine": p.machine, "host": _provenance.host(), "runbook": __version__, "safety": SAFETY,
         "cases": {
             n: run_case(n, info, scales=scales, time_limit=time_limit, progress=progress)
             for n in (cases or case_names())

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import importlib.metadata
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
@@ -28,10 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import __version__, _subprocess
-from ._case import _CASES, Case, Variant, case_names, get_case
+from ._case import case_names, get_case, page_module
 from ._errors import DoesNotFitError, RunbookError
 from ._measure import measure
-from ._provenance import Provenance
+from ._provenance import Provenance, host
+from ._spec import Case, Variant
 from ._subprocess import failure, one_line
 
 STATUSES = ("ok", "not applicable", "does not fit", "failed", "timeout", "not attempted")
@@ -39,22 +38,6 @@ STATUSES = ("ok", "not applicable", "does not fit", "failed", "timeout", "not at
 TIME_LIMIT = 240.0
 # Seconds one case's claims may take to decide (they measure the case and more).
 CLAIMS_TIME_LIMIT = 900.0
-
-
-def host() -> dict[str, Any]:
-    """The machine: CPU model, cores and memory, which the compile times depend on."""
-    cpu = platform.processor() or platform.machine()
-    memory = 0
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-        with open("/proc/meminfo") as f:
-            memory = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal"))
-    except (OSError, StopIteration):  # not Linux: the platform module's answer will do
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory}
 
 
 def _measure_point(
@@ -234,8 +217,7 @@ def run_case(
 
 def _claims(name: str) -> list[dict[str, str]]:
     """In the child: case `name`'s claims, decided on this release's CPU at the seed scale."""
-    module = importlib.import_module(_CASES[name])
-    return [dataclasses.asdict(c) for c in module.claims()]
+    return [dataclasses.asdict(c) for c in page_module(name).claims()]
 
 
 def run_claims(

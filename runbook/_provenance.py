@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import platform
+from typing import Any
 
 import jax
 import jaxlib.version
@@ -73,3 +75,19 @@ class Provenance:
             f"{self.backend.upper()} ({self.device_kind}, {self.devices} device"
             f"{'s' if self.devices != 1 else ''}), jax {self.jax} / jaxlib {self.jaxlib}"
         )
+
+
+def host() -> dict[str, Any]:
+    """The machine: CPU model, cores and memory, which the compile times depend on."""
+    cpu = platform.processor() or platform.machine()
+    memory = 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+        with open("/proc/meminfo") as f:
+            memory = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal"))
+    except (OSError, StopIteration):  # not Linux: the platform module's answer will do
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory}

@@ -25,6 +25,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from . import _spec
 from ._errors import RunbookError, UnknownNameError
 from ._quiet import compiler_chatter, plugin_chatter
 
@@ -373,8 +374,9 @@ def compiling_for(name: str | Target | None) -> Iterator[Target | None]:
     token = _ACTIVE.set(target)
     gpu = target is not None and target.platform == "cuda"
     quiet = compiler_chatter() if gpu else contextlib.nullcontext()
+    provider = None if target is None else functools.partial(target_devices, target)
     try:
-        with quiet:
+        with quiet, _spec.devices_from(provider):
             yield target
     finally:
         _ACTIVE.reset(token)
@@ -383,16 +385,6 @@ def compiling_for(name: str | Target | None) -> Iterator[Target | None]:
 def active() -> Target | None:
     """The target `compiling_for` set, or None."""
     return _ACTIVE.get()
-
-
-def devices(count: int = 1) -> list[Any]:
-    """The devices a case builds its meshes and pmaps on: the active target's, or JAX's own."""
-    target = _ACTIVE.get()
-    if target is not None:
-        return target_devices(target, count)
-    import jax
-
-    return jax.devices()[:count]
 
 
 def compiler_options(name: str | Target) -> dict[str, Any]:

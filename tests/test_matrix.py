@@ -14,10 +14,10 @@ import pytest
 import runbook
 import runbook.site
 from runbook import _matrix
-from runbook._case import Case, Variant
 from runbook._errors import RunbookError
 from runbook._history import PROBLEM_RATIO, history, load_versions, release_key
 from runbook._releases import RELEASES
+from runbook._spec import Case, Variant
 
 
 def _fake_case(*variants: Variant) -> Case:

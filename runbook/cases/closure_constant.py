@@ -238,7 +238,7 @@ CASE = Case(
     cause="a captured array is compiled into the program as a constant: the process holds "
     "copies of it that memory_analysis does not count",
     recommended="embed",
-    figures=host_figures,
+    figures="runbook.cases.closure_constant:host_figures",
     key_figure="rss_peak",
 )
 

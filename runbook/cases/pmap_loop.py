@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _subprocess, _targets
+from .. import _spec, _subprocess, _targets
 from .._case import Case, CaseResult, Variant, measure_case
 from .._claims import Claim, verdict
 from .._measure import MemoryReport, compile_fn, measure
@@ -128,11 +128,11 @@ def _inputs(scale: Mapping[str, Any], concrete: bool) -> Any:
 
 def _mesh() -> jax.sharding.Mesh:
     """The case's devices in a mesh: this process's, or a target's when compiling for one."""
-    return jax.sharding.Mesh(np.array(_targets.devices(DEVICES)), ("d",))
+    return jax.sharding.Mesh(np.array(_spec.devices(DEVICES)), ("d",))
 
 
 def _pmapped(body: Callable[..., jax.Array], *, sharded: bool = False) -> Callable[..., Any]:
-    return pmapped(body, _WIDTH, sharded=sharded, devices=_targets.devices(DEVICES))
+    return pmapped(body, _WIDTH, sharded=sharded, devices=_spec.devices(DEVICES))
 
 
 def replicated_args(

@@ -7,7 +7,7 @@ code. They are tested like the rest, but their output may change with the site.
 
 from __future__ import annotations
 
-from ._accelerator import (
+from .._accelerator import (
     accelerator_report,
     available_targets,
     buffer_contrast,
@@ -25,9 +25,9 @@ from ._accelerator import (
     target_table,
     worst_point,
 )
-from ._claims import Claim, claims_table, verdict
-from ._diagnose import case_diagnosis_table, detector_table, diagnose_case
-from ._gpu_evidence import (
+from .._claims import Claim, claims_table, verdict
+from .._diagnose import case_diagnosis_table, detector_table, diagnose_case
+from .._gpu_evidence import (
     GpuRecord,
     gpu_evidence,
     gpu_report,
@@ -35,7 +35,7 @@ from ._gpu_evidence import (
     gpu_table,
     per_device_note,
 )
-from ._history import (
+from .._history import (
     History,
     Note,
     ReleaseFigures,
@@ -47,8 +47,8 @@ from ._history import (
     slowest,
     versions_report,
 )
-from ._pages import bench_report, compare_variants, fix_table, verify_table, ynn_accounting
-from ._runtime import agreement
+from .._pages import bench_report, compare_variants, fix_table, verify_table, ynn_accounting
+from .._runtime import agreement
 
 __all__ = [
     "Claim",

@@ -1,0 +1,150 @@
+"""What a case module declares: its programs (`Variant`) and the problem they belong to (`Case`).
+
+A case module imports this and nothing else of the package, so that the file a reader copies
+from needs only JAX (and NumPy, optax) beside it. Measuring, rendering and claims live
+elsewhere and import the case, never the other way round.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ._errors import RunbookError, UnknownNameError
+
+ROLES = ("baseline", "reproduction", "fix")
+Params = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One program of a case. `program(params)` returns the function to compile."""
+
+    name: str
+    role: str
+    summary: str
+    program: Callable[[Params], Callable[..., Any]]
+    since: str = ""  # a JAX API this variant needs, e.g. "jax.shard_map"
+    args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"`role` must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A memory problem: its variants, the scales it runs at and the grid of points.
+
+    Attributes:
+        args: ``args(scale, params, concrete)`` gives the inputs: `jax.ShapeDtypeStruct`s,
+            or real arrays when `concrete` (only at a runnable scale).
+        grid: ``grid(scale)`` lists the params each variant is measured at.
+        floor: optional analytic floor per device, ``floor(variant, scale, params)``.
+        options: ``options()`` gives the XLA options for every compilation of the case.
+        cause: why it happens, in a phrase (the case page shows the evidence).
+        recommended: the fix the case page recommends (default: the smallest fix).
+        shard: ``shard(scale, params, mesh)`` gives abstract inputs split over `mesh`'s axis
+            "d" the way the program splits naturally, to ask how many devices it needs.
+        compare: optional ``compare(result)``: the part of a variant's result that the
+            same-result check compares (default: all of it), for variants whose results
+            differ in structure, not in value (e.g. one returns zero gradients for frozen
+            weights that another never computes).
+        figures: optional ``"module:function"`` naming ``function(variant, scale, params)``:
+            figures the compiler's analysis cannot give (e.g. a real run's host resident
+            set), by name, in bytes. A name, not the function: measuring a real run is the
+            site's machinery (``runbook.site.<case>``), which a case module does not import.
+            Called for this process's backend only (never for a target), stored in each
+            report's ``figures``.
+        key_figure: the name, in ``figures``, of the figure that shows the problem where
+            the compiler's total does not (the landing table shows it for this machine).
+    """
+
+    name: str
+    title: str
+    symptom: str
+    devices: int
+    scales: Mapping[str, Mapping[str, Any]]
+    variants: Sequence[Variant]
+    args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]]
+    grid: Callable[[Mapping[str, Any]], list[dict[str, Any]]]
+    floor: Callable[[Variant, Mapping[str, Any], Params], int] | None = None
+    options: Callable[[], Mapping[str, Any]] = dict
+    tolerance: float = 1e-5
+    runnable_scale: str = "small"
+    cause: str = ""
+    recommended: str | None = None
+    shard: Callable[[Mapping[str, Any], Params, Any], tuple[Any, ...]] | None = None
+    compare: Callable[[Any], Any] | None = None
+    figures: str | None = None
+    key_figure: str | None = None
+
+    def variant(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        valid = ", ".join(v.name for v in self.variants)
+        raise UnknownNameError(f"unknown variant {name!r} of case {self.name!r}; valid: {valid}")
+
+    def inputs(
+        self, variant: Variant, scale: Mapping[str, Any], params: Params, concrete: bool
+    ) -> tuple[Any, ...]:
+        """The arguments `variant` is called with (abstract unless `concrete`)."""
+        return (variant.args or self.args)(scale, params, concrete)
+
+    def scale(self, name: str) -> Mapping[str, Any]:
+        if name not in self.scales:
+            valid = ", ".join(self.scales)
+            raise RunbookError(f"unknown scale {name!r} for case {self.name!r}; valid: {valid}")
+        return self.scales[name]
+
+    def available(self, variant: Variant) -> bool:
+        """False when this JAX lacks an API the variant needs.
+
+        `since` names an attribute path ("jax.shard_map") or a keyword argument of one
+        ("jax.lax.map(batch_size=)").
+        """
+        if not variant.since:
+            return True
+        path, _, keyword = variant.since.partition("(")
+        obj: Any = importlib.import_module(path.split(".")[0])
+        for part in path.split(".")[1:]:
+            obj = getattr(obj, part, None)
+        if obj is None or not keyword:
+            return obj is not None
+        return keyword.rstrip("=)") in inspect.signature(obj).parameters
+
+
+# Set while the runbook compiles for a target (`runbook.target_devices`): the devices a case
+# builds its meshes and pmaps on are then the target's compile-only ones.
+_DEVICES: contextvars.ContextVar[Callable[[int], list[Any]] | None] = contextvars.ContextVar(
+    "runbook_devices", default=None
+)
+
+
+def devices(count: int = 1) -> list[Any]:
+    """The first `count` devices to build meshes and pmaps on.
+
+    JAX's own devices, or a compile target's while the runbook compiles for one.
+    """
+    provider = _DEVICES.get()
+    if provider is not None:
+        return provider(count)
+    import jax  # here, not at the top: the package imports this module before JAX starts
+
+    return jax.devices()[:count]
+
+
+@contextmanager
+def devices_from(provider: Callable[[int], list[Any]] | None) -> Iterator[None]:
+    """Inside, `devices(count)` is `provider(count)` (None: JAX's own devices)."""
+    token = _DEVICES.set(provider)
+    try:
+        yield
+    finally:
+        _DEVICES.reset(token)
