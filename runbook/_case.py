@@ -156,7 +156,7 @@ def measure_case(
     name: str,
     scale: str = "seed",
     *,
-    target: str | None = None,
+    target: str | _targets.Target | None = None,
     buffers: bool = False,
     variants: Sequence[str] | None = None,
     at: Mapping[str, Any] | None = None,
@@ -185,13 +185,15 @@ def measure_case(
     Raises:
         _subprocess.ChildCrashed: XLA crashed compiling with `compiler_options`.
     """
+    # Names are resolved here, once; everything below takes the Case and the Target.
     case = get_case(name)
+    t = _targets.resolve(target)
     case.scale(scale)
     for v in variants or ():
         case.variant(v)
     # Options other than the case's own are a trial, and some options crash XLA's compiler:
     # those compile in a child, whose crash the caller gets as `_subprocess.ChildCrashed`.
-    if target is None and (compiler_options is not None or _needs_child(case)):
+    if t is None and (compiler_options is not None or _needs_child(case)):
         data = _subprocess.call(
             "runbook._case:_measure_json",
             devices=case.devices,
@@ -203,13 +205,13 @@ def measure_case(
             compiler_options=None if compiler_options is None else dict(compiler_options),
         )
         return CaseResult.from_json(data["result"], data["buffers"])
-    return _measure_here(case, scale, target, buffers, variants, at, compiler_options, progress)
+    return _measure_here(case, scale, t, buffers, variants, at, compiler_options, progress)
 
 
 def _measure_here(
     case: Case,
     scale: str,
-    target: str | None,
+    t: _targets.Target | None,
     buffers: bool,
     variants: Sequence[str] | None,
     at: Mapping[str, Any] | None,
@@ -217,14 +219,11 @@ def _measure_here(
     progress: Callable[[str], None] | None,
 ) -> CaseResult:
     """`measure_case` in this process, whatever its devices and options."""
-    t = _targets.require(target) if target is not None else None
     with _targets.compiling_for(t):
         reports, skipped = _measure_variants(
             case, scale, t, buffers, variants, at, compiler_options, progress
         )
-    provenance = (
-        Provenance.for_target(t.name, case.devices) if t is not None else Provenance.current()
-    )
+    provenance = Provenance.for_target(t, case.devices) if t is not None else Provenance.current()
     return CaseResult(case.name, scale, provenance, tuple(reports), tuple(skipped))
 
 
@@ -323,7 +322,7 @@ def _measure_one(
             name=variant.name,
             compiler_options=options,
             buffers=True,
-            target=target.name if target else None,
+            target=target,
         )
     except DoesNotFitError as e:
         return {"skipped": {"status": "does not fit", "reason": str(e), "needed": e.needed,

@@ -287,7 +287,7 @@ def _buffer_line(b: Any) -> str:
 def diagnose(
     fn: Callable[..., Any],
     *args: Any,
-    target: str | None = None,
+    target: str | _targets.Target | None = None,
     compiler_options: Mapping[str, Any] | None = None,
     detectors: Sequence[Callable[[Program], list[Finding]]] | None = None,
     measure_fixes: bool = True,
@@ -329,18 +329,18 @@ def diagnose(
 
     start = time.perf_counter()
     refused = None
-    t = _targets.get_target(target) if target is not None else None
+    t = _targets.resolve(target)  # once: everything below takes the Target
     try:
         program = Program.compile(
             fn,
             *args,
-            target=target,
+            target=t,
             compiler_options=compiler_options,
             name=name,
             measure_fixes=measure_fixes,
         )
     except DoesNotFitError as e:
-        if target is None:
+        if t is None:
             raise
         refused = {"needed": e.needed, "limit": e.limit, "what": e.what}
         program = Program.compile(
@@ -394,6 +394,7 @@ def diagnose_case(
 
     case = get_case(name)
     size = case.scale(scale)
+    t = _targets.resolve(target)
     chosen = (
         case.variant(variant)
         if variant
@@ -401,8 +402,8 @@ def diagnose_case(
     )
     if at is None:
         repro = next(v for v in case.variants if v.role == "reproduction")
-        at = worst_point(measure_case(name, scale, variants=[repro.name], target=target))
-    if target is None and _needs_child(case):
+        at = worst_point(measure_case(name, scale, variants=[repro.name], target=t))
+    if t is None and _needs_child(case):
         record = _subprocess.call(
             "runbook._diagnose:_diagnose_case_record",
             devices=case.devices,
@@ -412,13 +413,12 @@ def diagnose_case(
             at=dict(at),
         )
         return Diagnosis.from_record(record)
-    t = _targets.require(target) if target is not None else None
     with _targets.compiling_for(t):
         return diagnose(
             chosen.program(at),
             *case.inputs(chosen, size, at, False),
-            target=target,
-            compiler_options=case.options() if target is None else None,
+            target=t,
+            compiler_options=case.options() if t is None else None,
             name=chosen.name,
         )
 

@@ -49,15 +49,16 @@ def _measure_point(
     case = get_case(name)
     v = case.variant(variant)
     size = case.scale(scale)
+    t = _targets.get_target(target) if target else None  # required only where it compiles
     provenance = dataclasses.asdict(
-        Provenance.for_target(target, case.devices) if target else Provenance.current()
+        Provenance.for_target(t, case.devices) if t else Provenance.current()
     )
     try:
-        with _targets.compiling_for(target):
+        with _targets.compiling_for(t):
             args = case.inputs(v, size, params, False)
-            options = case.options() if target is None else {}
+            options = case.options() if t is None else {}
             report = measure(
-                v.program(params), *args, name=v.name, compiler_options=options, target=target
+                v.program(params), *args, name=v.name, compiler_options=options, target=t
             )
     except DoesNotFitError as e:
         return {"status": "does not fit", "reason": one_line(str(e)), "needed": e.needed,

@@ -150,7 +150,7 @@ def compile_fn(
     fn: Callable[..., Any],
     *args: Any,
     compiler_options: Mapping[str, Any] | None = None,
-    target: str | None = None,
+    target: str | _targets.Target | None = None,
     unusable: list[str] | None = None,
 ) -> Any:
     """Lower and compile `fn` for `args` (arrays or `jax.ShapeDtypeStruct`s).
@@ -160,10 +160,9 @@ def compile_fn(
     `DoesNotFitError` with the compiler's figures. With `unusable`, JAX's warnings that
     donated buffers were not usable are appended to it instead of being shown.
     """
-    lowered = lower_fn(fn, *args, target=target, unusable=unusable)
-    return compile_lowered(
-        lowered, name=_name(fn), compiler_options=compiler_options, target=target
-    )
+    t = _targets.resolve(target)
+    lowered = lower_fn(fn, *args, target=t, unusable=unusable)
+    return compile_lowered(lowered, name=_name(fn), compiler_options=compiler_options, target=t)
 
 
 def _name(fn: Any) -> str:
@@ -173,14 +172,13 @@ def _name(fn: Any) -> str:
 def lower_fn(
     fn: Callable[..., Any],
     *args: Any,
-    target: str | None = None,
+    target: _targets.Target | None = None,
     unusable: list[str] | None = None,
 ) -> Any:
     """Trace and lower `fn` for `args`, on `target`'s compile-only devices if given."""
     if target is not None:
-        t = _targets.require(target)
-        with _targets.compiling_for(t):
-            placed = _targets.place(args, t, unsharded=not _is_pmap(fn))
+        with _targets.compiling_for(target):
+            placed = _targets.place(args, target, unsharded=not _is_pmap(fn))
             return lower_fn(fn, *placed, unusable=unusable)
     lowerable = _lowerable(fn)
     name = _name(fn)
@@ -203,11 +201,11 @@ def compile_lowered(
     *,
     name: str,
     compiler_options: Mapping[str, Any] | None = None,
-    target: str | None = None,
+    target: _targets.Target | None = None,
 ) -> Any:
     """Compile what `lower_fn` lowered (for the same `target`); `name` labels errors."""
     if target is not None:
-        t = _targets.require(target)
+        t = target
         with _targets.compiling_for(t):
             options = {**_targets.compiler_options(t), **(compiler_options or {})}
             compiled = compile_lowered(lowered, name=name, compiler_options=options)
@@ -256,7 +254,7 @@ def measure(
     name: str | None = None,
     compiler_options: Mapping[str, Any] | None = None,
     buffers: bool = False,
-    target: str | None = None,
+    target: str | _targets.Target | None = None,
 ) -> MemoryReport:
     """Compile `fn` for `args` and report its memory, allocating nothing.
 
@@ -290,10 +288,11 @@ def measure(
     """
     options = dict(compiler_options or {})
     unusable: list[str] = []
-    lowered = lower_fn(fn, *args, target=target, unusable=unusable)
+    t = _targets.resolve(target)
+    lowered = lower_fn(fn, *args, target=t, unusable=unusable)
     label = name or _name(fn)
     compute = functools.partial(
-        _measure_lowered, lowered, label, options, buffers, target, tuple(unusable)
+        _measure_lowered, lowered, label, options, buffers, t, tuple(unusable)
     )
     if _cache.directory() is None:
         return compute()
@@ -301,7 +300,7 @@ def measure(
     # program measured again, by another page or after an unrelated edit, is not recompiled.
     request = {
         "kind": "program", "program": program_hash(lowered), "name": label, "options": options,
-        "buffers": buffers, "target": target, "unusable": unusable,
+        "buffers": buffers, "target": t.name if t else None, "unusable": unusable,
     }  # fmt: skip
     return MemoryReport.from_record(_cache.cached(request, lambda: compute().to_record()))
 
@@ -320,7 +319,7 @@ def _measure_lowered(
     name: str,
     options: dict[str, Any],
     buffers: bool,
-    target: str | None,
+    target: _targets.Target | None,
     unusable: tuple[str, ...],
 ) -> MemoryReport:
     with tempfile.TemporaryDirectory(prefix="runbook-dump-") as dump:
@@ -333,7 +332,7 @@ def _measure_lowered(
         found = tuple(parse_dump(pathlib.Path(dump))) if buffers else ()
         sizes = allocation_sizes(pathlib.Path(dump)) if buffers else {}
     if stats is None:
-        where = target or jax.default_backend()
+        where = target.name if target else jax.default_backend()
         raise RunbookError(f"the {where} compiler reports no memory analysis.")
     provenance = (
         Provenance.for_target(target, _devices_used(compiled)) if target else Provenance.current()

@@ -183,7 +183,7 @@ class Program:
         cls,
         fn: Callable[..., Any],
         *args: Any,
-        target: str | None = None,
+        target: _targets.Target | None = None,
         compiler_options: Mapping[str, Any] | None = None,
         name: str | None = None,
         measure_fixes: bool = True,
@@ -200,7 +200,7 @@ class Program:
             stats = compiled.memory_analysis()
             buffers = tuple(parse_dump(pathlib.Path(dump_dir)))
             dump = read_dump(pathlib.Path(dump_dir))
-        where = target or jax.default_backend()
+        where = target.name if target else jax.default_backend()
         if stats is None or dump is None:
             raise RunbookError(f"the {where} compiler reports no buffer assignment to diagnose.")
         devices = _devices_used(compiled)
@@ -215,8 +215,7 @@ class Program:
             buffers=buffers,
             caveats=() if target else _backend_caveats(compiled, options),
         )
-        t = _targets.get_target(target) if target else None
-        return cls(fn, args, report, dump, compiled, t, options, measure_fixes=measure_fixes)
+        return cls(fn, args, report, dump, compiled, target, options, measure_fixes=measure_fixes)
 
     # --- inputs and outputs ---------------------------------------------------------------
 

@@ -6,12 +6,15 @@ import dataclasses
 import datetime
 import os
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jaxlib.version
 
 from ._quiet import start_backend
+
+if TYPE_CHECKING:
+    from ._targets import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +51,8 @@ class Provenance:
         )
 
     @classmethod
-    def for_target(cls, name: str, devices: int) -> Provenance:
-        """Figures compiled for target `name` on `devices` of its devices, on this machine."""
-        from ._targets import get_target
-
-        target = get_target(name)
+    def for_target(cls, target: Target, devices: int) -> Provenance:
+        """Figures compiled for `target` on `devices` of its devices, on this machine."""
         here = cls.current()
         return dataclasses.replace(
             here,

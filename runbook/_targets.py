@@ -258,6 +258,12 @@ def unavailable(name: str | Target) -> str | None:
     return None
 
 
+def resolve(name: str | Target | None) -> Target | None:
+    """Where a target name enters the API: its `Target`, checked once (`require`); None stays
+    None (this process's backend). Everything below takes the `Target`."""
+    return None if name is None else require(name)
+
+
 def require(name: str | Target) -> Target:
     """The target, or a `RunbookError` saying in one line why it cannot be compiled for here."""
     target = get_target(name)
@@ -327,11 +333,19 @@ def _gpu_topology(target: Target, shape: str) -> Any:
     return topologies.get_topology_desc(platform="cuda", target_config=config, topology=shape)
 
 
-@functools.cache
-def _devices(name: str, count: int) -> tuple[Any, ...]:
+_DEVICES: dict[tuple[str, int], tuple[Any, ...]] = {}  # one topology per target and count
+
+
+def _devices(target: Target, count: int) -> tuple[Any, ...]:
+    if (target.name, count) not in _DEVICES:
+        _DEVICES[target.name, count] = _topology_devices(require(target), count)
+    return _DEVICES[target.name, count]
+
+
+def _topology_devices(target: Target, count: int) -> tuple[Any, ...]:
     from jax.experimental import topologies
 
-    target = require(name)
+    name = target.name
     if target.gpu is not None:
         _ensure_cuda_plugin()
         hosts, per_host = (1, count) if count <= 8 else (count // 8, 8)
@@ -356,7 +370,7 @@ def _devices(name: str, count: int) -> tuple[Any, ...]:
 
 def target_devices(name: str | Target, count: int = 1) -> list[Any]:
     """`count` compile-only devices of target `name`: place inputs on them to compile for it."""
-    return list(_devices(get_target(name).name, count))
+    return list(_devices(get_target(name), count))
 
 
 _ACTIVE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("target", default=None)

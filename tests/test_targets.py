@@ -284,3 +284,27 @@ def test_a_case_measured_first_thing_in_a_process_prints_no_plugin_chatter():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.strip() == ""
+
+
+@pytest.mark.parametrize("entry", ["diagnose", "measure_case"])
+def test_a_target_name_is_looked_up_once_where_it_enters(monkeypatch, entry):
+    if _targets.unavailable("h100"):
+        pytest.skip(_targets.unavailable("h100"))
+    names: list[str] = []
+    real = _targets.get_target
+
+    def counting(name):
+        if isinstance(name, str):
+            names.append(name)
+        return real(name)
+
+    monkeypatch.setattr(_targets, "get_target", counting)
+    if entry == "diagnose":
+        x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+        found = runbook.diagnose(lambda s, g: s - 0.1 * g, x, x, target="h100")
+        assert found.target is not None
+        assert found.target.name == "h100"
+    else:
+        result = runbook.measure_case("gather-grad", "tiny", target="h100", variants=["forward"])
+        assert result.provenance.target == "h100"
+    assert names == ["h100"]

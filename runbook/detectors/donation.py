@@ -43,7 +43,7 @@ def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
             fixed = Program.compile(
                 donated,
                 *program.args,
-                target=program.target.name if program.target else None,
+                target=program.target,
                 compiler_options=program.options,
             )
     except (RunbookError, TypeError, ValueError):
