@@ -13,6 +13,7 @@ import runbook
 from runbook._cli import main
 from runbook.cases import vmap_materialize as vm
 from runbook.cases.vmap_materialize import CASE
+from runbook.site import vmap_materialize as page
 
 
 @pytest.fixture(scope="module")
@@ -24,17 +25,17 @@ def seed():
 
 @pytest.fixture(scope="module")
 def pairwise():
-    return vm.pairwise_costs()
+    return page.pairwise_costs()
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return vm.runtimes()
+    return page.runtimes()
 
 
 @pytest.fixture(scope="module")
 def verdicts(seed, runs, pairwise):
-    return {c.key: c.verdict for c in vm.claims(seed[0], runs, pairwise)}
+    return {c.key: c.verdict for c in page.claims(seed[0], runs, pairwise)}
 
 
 def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
@@ -99,14 +100,14 @@ def test_python_loop_computes_the_same():
 def test_runs_agree_with_predictions_and_measure_the_loop(runs):
     assert {p.name for p in runs["peaks"]} == {v.name for v in CASE.variants}
     assert all(p.agrees for p in runs["peaks"]), runs["peaks"]
-    small, medium = (runs["versus"][s] for s in vm.LOOP_SCALES)
+    small, medium = (runs["versus"][s] for s in page.LOOP_SCALES)
     # vmap's real peak grows with n squared: about 4x from n to 2n.
     assert medium[0].measured / small[0].measured > 3
     assert runs["loop"]["calls"] == CASE.scales[CASE.runnable_scale]["n"]
 
 
 def test_pairwise_report_builds_the_n_n_d_array(pairwise):
-    s = vm.PAIRWISE["seed"]
+    s = page.PAIRWISE["seed"]
     first = pairwise[0]["largest"]
     assert first.shape == f"f32[{s['n']},{s['n']},{s['d']}]"
     # lax.map over the masks keeps it: it does not depend on the mask.
@@ -117,13 +118,13 @@ def test_pairwise_report_builds_the_n_n_d_array(pairwise):
 
 
 def test_pairwise_rewrites_give_the_same_result():
-    checks = vm.pairwise_checks()
-    assert len(checks) == len(vm.pairwise_programs()) - 2
+    checks = page.pairwise_checks()
+    assert len(checks) == len(page.pairwise_programs()) - 2
     assert all(c["same"] for c in checks), checks
 
 
 def test_claims_on_a_target_decide_run_time_as_not_measurable(verdicts):
-    found = {c.key: c for c in vm.claims(target="h100")}
+    found = {c.key: c for c in page.claims(target="h100")}
     assert set(found) == set(verdicts)
     assert found["forty-gb"].verdict == "confirmed"
     assert found["map-slower"].verdict == "not reproducible here"
@@ -131,11 +132,11 @@ def test_claims_on_a_target_decide_run_time_as_not_measurable(verdicts):
 
 def test_tables_and_figure(seed, runs, pairwise):
     result = seed[0]
-    assert [row[0] for row in vm.reports_table(result, pairwise).rows] == list(vm.REPORTS)
-    assert len(vm.loop_table(runs).rows) == len(CASE.variants) + 1
-    assert len(vm.versus_table(runs).rows) == len(vm.LOOP_SCALES)
-    assert len(vm.pairwise_table(pairwise, vm.pairwise_checks()).rows) == len(pairwise)
-    fig = vm.tradeoff_figure(result, runs)
+    assert [row[0] for row in page.reports_table(result, pairwise).rows] == list(page.REPORTS)
+    assert len(page.loop_table(runs).rows) == len(CASE.variants) + 1
+    assert len(page.versus_table(runs).rows) == len(page.LOOP_SCALES)
+    assert len(page.pairwise_table(pairwise, page.pairwise_checks()).rows) == len(pairwise)
+    fig = page.tradeoff_figure(result, runs)
     assert len(fig.axes) == 2
     assert len(fig.axes[0].lines[0].get_xdata()) == len(vm.BATCH_SIZES) + 2
 

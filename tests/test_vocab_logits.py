@@ -13,6 +13,7 @@ import runbook
 from runbook._cli import main
 from runbook.cases import vocab_logits
 from runbook.cases.vocab_logits import CASE
+from runbook.site import vocab_logits as page
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +25,12 @@ def seed():
 
 @pytest.fixture(scope="module")
 def found(seed):
-    return vocab_logits.evidence(seed[0])
+    return page.evidence(seed[0])
 
 
 @pytest.fixture(scope="module")
 def verdicts(seed, found):
-    return {c.key: c.verdict for c in vocab_logits.claims(seed[0], found)}
+    return {c.key: c.verdict for c in page.claims(seed[0], found)}
 
 
 def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
@@ -64,7 +65,7 @@ def test_recommended_fix_saves_and_sits_near_its_floor(seed):
 
 def test_one_hot_detector_finds_the_one_hot_only(found):
     by = {(r["labels"], r["logits"]): r["one_hot"] for r in found["labels_dtypes"]}
-    n, v = vocab_logits.MAXTEXT_ONE_HOT["tokens"], vocab_logits.MAXTEXT_ONE_HOT["vocab"]
+    n, v = page.MAXTEXT_ONE_HOT["tokens"], page.MAXTEXT_ONE_HOT["vocab"]
     assert by[("integer", "float32")] == by[("integer", "bfloat16")] == []
     assert (f"bf16[{n},{v}]", n * v * 2) in by[("one-hot", "bfloat16")]
 
@@ -95,10 +96,10 @@ def test_chunks_must_divide():
 
 def test_tables_cover_every_variant_and_report(seed, found):
     result = seed[0]
-    assert [r[0] for r in vocab_logits.fix_table(result).rows] == [v.name for v in CASE.variants]
-    assert len(vocab_logits.dtype_table(found["labels_dtypes"]).rows) == 4
-    reports = vocab_logits.reports_table(result, found)
-    assert [row[0] for row in reports.rows] == list(vocab_logits.REPORTS)
+    assert [r[0] for r in page.fix_table(result).rows] == [v.name for v in CASE.variants]
+    assert len(page.dtype_table(found["labels_dtypes"]).rows) == 4
+    reports = page.reports_table(result, found)
+    assert [row[0] for row in reports.rows] == list(page.REPORTS)
 
 
 def test_cli_json(capsys):
