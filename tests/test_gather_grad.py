@@ -11,6 +11,7 @@ import pytest
 import runbook
 from runbook.cases import gather_grad
 from runbook.cases.gather_grad import CASE, loss
+from runbook.site import gather_grad as page
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def seed():
 
 @pytest.fixture(scope="module")
 def verdicts(seed):
-    return {c.key: c.verdict for c in gather_grad.claims(seed[0])}
+    return {c.key: c.verdict for c in page.claims(seed[0])}
 
 
 def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
@@ -82,7 +83,7 @@ def test_chunk_must_divide_rows():
 
 def test_manual_gradient_equals_jax_grad():
     x, idx = gather_grad._args(CASE.scales["tiny"], {"index_dtype": "int32"}, True)
-    assert jax.numpy.allclose(gather_grad.manual_grad(x, idx), jax.grad(loss)(x, idx))
+    assert jax.numpy.allclose(page.manual_grad(x, idx), jax.grad(loss)(x, idx))
 
 
 def test_one_compile_answers_with_and_without_buffers():

@@ -8,6 +8,7 @@ import pytest
 
 import runbook
 from runbook.cases import pmap_loop
+from runbook.site import pmap_loop as page
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def seed():
 
 @pytest.fixture(scope="module")
 def verdicts():
-    return {c.key: c.verdict for c in pmap_loop.claims()}
+    return {c.key: c.verdict for c in page.claims()}
 
 
 def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):

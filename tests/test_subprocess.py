@@ -6,7 +6,8 @@ import pytest
 
 import runbook
 from runbook import _subprocess
-from runbook.cases import gather_grad, pmap_loop
+from runbook.cases import pmap_loop
+from runbook.site import gather_grad
 
 
 @pytest.mark.parametrize(("crash", "signal"), [("_sigsegv", "SIGSEGV"), ("_sigabrt", "SIGABRT")])
