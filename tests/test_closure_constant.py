@@ -16,8 +16,9 @@ from runbook._case import CaseResult
 from runbook._cli import main
 from runbook.cases import closure_constant
 from runbook.cases.closure_constant import CASE
+from runbook.site import closure_constant as page
 
-PEAK = closure_constant.KEY_FIGURE
+PEAK = page.KEY_FIGURE
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def seed():
 
 @pytest.fixture(scope="module")
 def verdicts(seed):
-    return {c.key: c.verdict for c in closure_constant.claims(seed[0])}
+    return {c.key: c.verdict for c in page.claims(seed[0])}
 
 
 def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
@@ -42,7 +43,7 @@ def test_whole_case_measured_within_a_minute(seed):
     assert len(result.reports) == len(CASE.variants)
     assert seconds < 60
     for r in result.reports:
-        assert set(r.figures) == set(closure_constant.FIGURES)
+        assert set(r.figures) == set(page.FIGURES)
 
 
 def test_memory_analysis_leaves_the_constant_out(seed):
@@ -56,7 +57,7 @@ def test_memory_analysis_leaves_the_constant_out(seed):
         *closure_constant._ids_only(CASE.scales["tiny"], {}, False),
         buffers=True,
     )
-    assert closure_constant.constant_bytes(report) == 64 * 16 * 4
+    assert page.constant_bytes(report) == 64 * 16 * 4
 
 
 def test_lowered_text_holds_the_random_table_not_the_zeros(seed):
@@ -70,10 +71,10 @@ def test_lowered_text_holds_the_random_table_not_the_zeros(seed):
 def test_recommended_fix_saves_and_sits_near_its_floor(seed):
     f = {r.name: r.figures for r in seed[0].reports}
     floor = closure_constant.floor_bytes(CASE.scales["seed"])
-    fix = f[closure_constant.RECOMMENDED][PEAK]
+    fix = f[page.RECOMMENDED][PEAK]
     assert f["captured-random"][PEAK] / fix >= 1.5
     assert fix / floor <= 1.25
-    assert seed[0].one(closure_constant.RECOMMENDED).overhead == pytest.approx(1.0)
+    assert seed[0].one(page.RECOMMENDED).overhead == pytest.approx(1.0)
 
 
 def test_fix_gives_the_same_lookup():
@@ -100,15 +101,15 @@ def test_host_figures_see_a_captured_table_at_a_small_scale():
     small = CASE.scales["small"]
     params = CASE.grid(small)[0]
     table = closure_constant.sizes(small)["table"]
-    captured = closure_constant.host_figures(CASE.variant("captured-random"), small, params)
-    passed = closure_constant.host_figures(CASE.variant("embed"), small, params)
+    captured = page.host_figures(CASE.variant("captured-random"), small, params)
+    passed = page.host_figures(CASE.variant("embed"), small, params)
     assert captured["lowered_text_bytes"] >= 2 * table
     assert captured["rss_cached"] - captured["rss_inputs"] > table
     assert passed["rss_cached"] - passed["rss_inputs"] < table / 2
 
 
 def test_control_flow_keeps_the_constant():
-    rows = closure_constant.control_flow("tiny")
+    rows = page.control_flow("tiny")
     table = rows[0]["table"]
     assert [r["constants"] >= table for r in rows] == [True, True, True]
     assert all(r["total"] < table + 2**20 for r in rows)
@@ -117,20 +118,20 @@ def test_control_flow_keeps_the_constant():
 def test_lowered_constants_names_the_splat():
     zeros = closure_constant.make_lookup_captured(jnp.zeros((64, 16)))
     ids = jax.ShapeDtypeStruct((8,), jnp.int32)
-    rows = closure_constant.lowered_constants(zeros, ids).rows
+    rows = page.lowered_constants(zeros, ids).rows
     assert any("dense<0.000000e+00> : tensor<64x16xf32>" in r[1] for r in rows)
 
 
 def test_tables_and_chart_cover_every_variant_and_report(seed):
     result = seed[0]
-    assert len(closure_constant.host_table(result).rows) == len(CASE.variants)
+    assert len(page.host_table(result).rows) == len(CASE.variants)
     flow = [{"label": "x", "table": 1, "constants": 1, "lowered": 1, "total": 1}]
-    reports = closure_constant.reports_table(result, flow)
-    assert [row[0] for row in reports.rows] == list(closure_constant.REPORTS)
-    assert len(closure_constant.predict(result).rows) == 2
-    by = closure_constant.constants_by_compiler({"cpu": result})
+    reports = page.reports_table(result, flow)
+    assert [row[0] for row in reports.rows] == list(page.REPORTS)
+    assert len(page.predict(result).rows) == 2
+    by = page.constants_by_compiler({"cpu": result})
     assert by.rows[0][0] == "cpu"
-    fig = closure_constant.host_chart(result)
+    fig = page.host_chart(result)
     assert len(fig.axes[0].patches) == 4 * len(CASE.variants)
 
 
@@ -139,7 +140,12 @@ def test_claims_need_host_figures(seed):
         seed[0], reports=tuple(dataclasses.replace(r, figures={}) for r in seed[0].reports)
     )
     with pytest.raises(runbook.RunbookError, match="host figures"):
-        closure_constant.claims(stripped)
+        page.claims(stripped)
+
+
+def test_claims_are_not_decided_for_a_target():
+    with pytest.raises(runbook.RunbookError, match="h100"):
+        page.claims(target="h100")
 
 
 def test_figures_round_trip_through_json(seed):
@@ -158,7 +164,7 @@ def test_cli_json(capsys):
     for v in data["variants"]:
         b = v["bytes"]
         assert b["total"] == b["argument"] + b["output"] + b["temp"] - b["alias"]
-        assert set(v["figures"]) == set(closure_constant.FIGURES)
+        assert set(v["figures"]) == set(page.FIGURES)
 
 
 def test_cli_text_prints_the_figures(capsys):
@@ -191,7 +197,7 @@ def test_landing_table_shows_the_real_run_here_and_says_what_targets_leave_out(m
 def test_compilers_note_counts_where_the_total_misses_the_table(seed):
     result = seed[0]
     with_buffers = runbook.measure_case("closure-constant", "seed", buffers=True)
-    note = closure_constant.compilers_note({"cpu": with_buffers})
+    note = page.compilers_note({"cpu": with_buffers})
     assert "on 1 of 1 compilers (cpu)" in note
     assert "every compiler folds them away" in note
-    assert "on 0 of 1" in closure_constant.compilers_note({"cpu": result})  # no buffers read
+    assert "on 0 of 1" in page.compilers_note({"cpu": result})  # no buffers read

@@ -15,6 +15,7 @@ import runbook
 from runbook._cli import main
 from runbook.cases import donation
 from runbook.cases.donation import CASE
+from runbook.site import donation as page
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +27,13 @@ def seed():
 
 @pytest.fixture(scope="module")
 def found():
-    return {c.name: c for c in donation.checks()}
+    return {c.name: c for c in page.checks()}
 
 
 @pytest.fixture(scope="module")
 def verdicts(seed, found):
-    runs = {"peaks": donation.peaks(), "eager": donation.eager_peak(), "reuse": donation.reuse()}
-    return {c.key: c.verdict for c in donation.claims(seed[0], list(found.values()), runs=runs)}
+    runs = {"peaks": page.peaks(), "eager": page.eager_peak(), "reuse": page.reuse()}
+    return {c.key: c.verdict for c in page.claims(seed[0], list(found.values()), runs=runs)}
 
 
 @pytest.mark.slow
@@ -50,7 +51,7 @@ def test_whole_case_measured_within_a_minute(seed):
 def test_recommended_fix_saves_and_sits_near_its_floor(seed):
     result = seed[0]
     repro = result.one("no-donation")
-    fix = result.one(donation.RECOMMENDED)
+    fix = result.one(page.RECOMMENDED)
     assert fix.total == min(r.total for r in result.select(role="fix"))
     assert repro.total / fix.total >= 1.5
     assert fix.overhead <= 1.25
@@ -94,9 +95,9 @@ def test_loop_reading_a_donated_array_costs_a_copy_where_the_release_has_it(foun
 
 def test_donation_check_catches_a_silent_failure():
     x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
-    ok = donation.donation_check(jax.jit(lambda a: a * 2, donate_argnums=0), x)
+    ok = page.donation_check(jax.jit(lambda a: a * 2, donate_argnums=0), x)
     assert (ok.donated, ok.aliased, ok.silent) == (256 * 256 * 4, 256 * 256 * 4, False)
-    halved = donation.donation_check(
+    halved = page.donation_check(
         jax.jit(lambda a: (a * 2).astype(jnp.bfloat16), donate_argnums=0), x
     )
     assert halved.aliased == 0
@@ -104,7 +105,7 @@ def test_donation_check_catches_a_silent_failure():
 
 
 def test_jax_warns_once_per_program_and_process():
-    assert donation.warnings_per_lowering(3) == [1, 0, 0]
+    assert page.warnings_per_lowering(3) == [1, 0, 0]
 
 
 def test_loop_and_strided_reads_give_the_same_result():
@@ -139,9 +140,9 @@ def test_same_result_check_catches_a_wrong_update(monkeypatch):
 
 
 def test_tables_cover_every_report_and_check(seed, found):
-    table = donation.reports_table(seed[0], list(found.values()))
-    assert [row[0] for row in table.rows] == list(donation.REPORTS)
-    assert len(donation.check_table(list(found.values())).rows) == len(found)
+    table = page.reports_table(seed[0], list(found.values()))
+    assert [row[0] for row in table.rows] == list(page.REPORTS)
+    assert len(page.check_table(list(found.values())).rows) == len(found)
 
 
 def test_cli_json(capsys):
