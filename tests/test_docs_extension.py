@@ -79,8 +79,13 @@ def _changed(tree: pathlib.Path, path: str) -> set[str]:
     return {page for page in before if before[page] != after[page]}
 
 
-def test_a_case_module_reruns_its_page_and_the_pages_of_every_case(tree):
-    assert _changed(tree, "runbook/cases/gather_grad.py") == {"cases/gather-grad.md", "index.md"}
+@pytest.mark.parametrize("module", ["runbook/cases/gather_grad.py", "runbook/site/gather_grad.py"])
+def test_a_case_s_files_rerun_its_page_and_the_pages_of_every_case(tree, module):
+    assert _changed(tree, module) == {"cases/gather-grad.md", "index.md"}
+
+
+def test_the_site_s_shared_renderers_are_core(tree):
+    assert _changed(tree, "runbook/site/__init__.py") == set(_prints(tree))
 
 
 def test_the_core_reruns_every_page(tree):

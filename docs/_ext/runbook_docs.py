@@ -7,12 +7,13 @@ also depend on code and data outside it, which each page names in its front matt
       cases: [gather-grad]     # the case modules it measures ("all": every case)
       data: [versions, gpu]    # the folders of docs/_data it reads ("all": every one)
 
-Every page also depends on the measurement core (the package outside ``runbook/cases``)
-and the environment (JAX versions, backend, compiler plugins, XLA/JAX variables). A page
-with no ``runbook`` key depends on everything. Before reading, the extension compares each
-page's fingerprint of those inputs with the one it was last built from and re-reads the
-pages whose inputs changed: editing one case module re-executes that case's page and the
-pages that show every case; editing the core re-executes every page.
+A case is two files, ``runbook/cases/<case>.py`` and its page module
+``runbook/site/<case>.py``. Every page also depends on the measurement core (the rest of
+the package) and the environment (JAX versions, backend, compiler plugins, XLA/JAX
+variables). A page with no ``runbook`` key depends on everything. Before reading, the
+extension compares each page's fingerprint of those inputs with the one it was last built
+from and re-reads the pages whose inputs changed: editing one case's files re-executes that
+case's page and the pages that show every case; editing the core re-executes every page.
 """
 
 from __future__ import annotations
@@ -77,11 +78,16 @@ def _digest(paths: Iterable[pathlib.Path], base: pathlib.Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def case_modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Each case's module file, by case name (read from the package's case registry)."""
+def case_modules(root: pathlib.Path) -> dict[str, list[pathlib.Path]]:
+    """Each case's two files, by case name (read from the package's case registry): the case
+    module and its page module (``runbook/cases/<case>.py``, ``runbook/site/<case>.py``)."""
     text = (root / "runbook" / "_case.py").read_text()
     found = re.findall(r'"([\w-]+)": "runbook\.cases\.(\w+)"', text)
-    return {name: root / "runbook" / "cases" / f"{module}.py" for name, module in found}
+    package = root / "runbook"
+    return {
+        name: [package / "cases" / f"{module}.py", package / "site" / f"{module}.py"]
+        for name, module in found
+    }
 
 
 def input_hashes(root: pathlib.Path, docs: pathlib.Path, env: Mapping[str, Any]) -> dict[str, str]:
@@ -89,12 +95,14 @@ def input_hashes(root: pathlib.Path, docs: pathlib.Path, env: Mapping[str, Any])
     ``data:<folder>``. A case module no registered case names counts as core."""
     package = root / "runbook"
     cases = case_modules(root)
+    per_case = {p for paths in cases.values() for p in paths}
     hashes = {
-        "core": _digest((p for p in package.rglob("*.py") if p not in cases.values()), root),
+        "core": _digest((p for p in package.rglob("*.py") if p not in per_case), root),
         "env": hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16],
     }
-    for name, path in cases.items():
-        hashes[f"case:{name}"] = _digest([path], root) if path.exists() else "missing"
+    for name, paths in cases.items():
+        present = [p for p in paths if p.exists()]
+        hashes[f"case:{name}"] = _digest(present, root) if present else "missing"
     data = docs / "_data"
     for folder in sorted(p for p in data.iterdir() if p.is_dir()) if data.exists() else []:
         hashes[f"data:{folder.name}"] = _digest((p for p in folder.rglob("*") if p.is_file()), docs)

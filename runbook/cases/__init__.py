@@ -1,1 +1,5 @@
-"""One module per case: the reproduction and its fixes as plain, copyable functions."""
+"""One module per case: the reproduction, its fixes and their inputs, which a reader copies.
+
+A case module imports JAX, NumPy (optax where needed) and `runbook._spec`, nothing else of
+the package; its page's claims and experiments are in ``runbook.site.<case>``.
+"""

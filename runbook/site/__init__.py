@@ -3,6 +3,10 @@ accelerator sections and the tables that compare them.
 
 These renderers exist to build the site; `import runbook` holds the tools for your own
 code. They are tested like the rest, but their output may change with the site.
+
+Each case's page has its own module here, ``runbook.site.<case>``: the write-up's claims
+and the experiments its page shows. It imports the case (``runbook.cases.<case>``, what a
+reader copies); the case never imports it.
 """
 
 from __future__ import annotations
