@@ -42,6 +42,7 @@ _PUBLIC = {
     "Diagnosis": "_diagnose",
     "Finding": "_diagnose",
     "diagnose": "_diagnose",
+    "ChildCrashed": "_subprocess",
     "DoesNotFitError": "_errors",
     "RunbookError": "_errors",
     "UnknownNameError": "_errors",
@@ -102,6 +103,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and editors
     )
     from ._runtime import RuntimePeak, runtime_peak
     from ._spec import Case, Variant
+    from ._subprocess import ChildCrashed
     from ._targets import Target, get_target, target_devices, targets
 
 __version__ = "0.1.0"
@@ -110,6 +112,7 @@ __all__ = [
     "Buffer",
     "Case",
     "CaseResult",
+    "ChildCrashed",
     "Diagnosis",
     "DoesNotFitError",
     "Finding",

@@ -183,7 +183,7 @@ def measure_case(
         progress: called with a line per measured program.
 
     Raises:
-        _subprocess.ChildCrashed: XLA crashed compiling with `compiler_options`.
+        ChildCrashed: XLA crashed compiling with `compiler_options`.
     """
     # Names are resolved here, once; everything below takes the Case and the Target.
     case = get_case(name)
