@@ -25,8 +25,8 @@ from runbook._cli import main
 from runbook._diagnose import case_diagnosis_table, diagnose_case
 from runbook._subprocess import child_env
 from runbook._targets import unavailable
-from runbook.cases import scan_residuals
 from runbook.detectors import DETECTORS
+from runbook.site import scan_residuals
 
 S = jax.ShapeDtypeStruct
 f32 = jnp.float32

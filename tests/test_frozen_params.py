@@ -13,6 +13,7 @@ import runbook
 from runbook._cli import main
 from runbook.cases import frozen_params
 from runbook.cases.frozen_params import CASE
+from runbook.site import frozen_params as page
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +25,13 @@ def seed():
 
 @pytest.fixture(scope="module")
 def costs():
-    return frozen_params.zero_costs()
+    return page.zero_costs()
 
 
 @pytest.fixture(scope="module")
 def verdicts(seed, costs):
-    stored = frozen_params.stored_for_backward()
-    return {c.key: c.verdict for c in frozen_params.claims(seed[0], costs, stored)}
+    stored = page.stored_for_backward()
+    return {c.key: c.verdict for c in page.claims(seed[0], costs, stored)}
 
 
 def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
@@ -112,12 +113,12 @@ def test_comparable_keeps_the_adapters_part():
 
 def test_tables_cover_every_variant_and_report(seed, costs):
     result = seed[0]
-    table = frozen_params.fix_table(result)
+    table = page.fix_table(result)
     assert len(table.rows) == len(CASE.variants) * len(frozen_params.PROGRAMS)
-    assert len(frozen_params.zeros_table(costs).rows) == len(costs)
+    assert len(page.zeros_table(costs).rows) == len(costs)
     stored = {"stopped branch": 1, "stopped weights": 1, "stopped weights, weights": 0}
-    reports = frozen_params.reports_table(result, costs, stored)
-    assert [row[0] for row in reports.rows] == list(frozen_params.REPORTS)
+    reports = page.reports_table(result, costs, stored)
+    assert [row[0] for row in reports.rows] == list(page.REPORTS)
 
 
 def test_cli_json(capsys):

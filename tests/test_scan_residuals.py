@@ -14,6 +14,7 @@ import runbook.site
 from runbook._cli import main
 from runbook.cases import scan_residuals
 from runbook.cases.scan_residuals import CASE
+from runbook.site import scan_residuals as page
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def seed():
 
 @pytest.fixture(scope="module")
 def verdicts(seed):
-    return {c.key: c.verdict for c in scan_residuals.claims(seed[0])}
+    return {c.key: c.verdict for c in page.claims(seed[0])}
 
 
 def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
@@ -49,7 +50,7 @@ def test_gradient_stores_what_jax_saves_per_step_and_body_remat_one(seed):
     # compiled gradient holds one carry-sized row for each, and body remat holds one.
     result, t = seed[0], max(scan_residuals.STEPS)
     tiny = scan_residuals._args(CASE.scales["tiny"], {"steps": 16}, False)
-    saved = len(scan_residuals.saved_residuals(scan_residuals.loss, *tiny))
+    saved = len(page.saved_residuals(scan_residuals.loss, *tiny))
     assert saved >= 2
     assert per_step(result, "grad", t) == pytest.approx(saved, abs=0.05)
     assert per_step(result, "remat-body", t) == pytest.approx(1, abs=0.05)
@@ -57,7 +58,7 @@ def test_gradient_stores_what_jax_saves_per_step_and_body_remat_one(seed):
 
 
 def test_carries_by_release_reads_every_committed_release():
-    rows = scan_residuals.carries_by_release().rows
+    rows = page.carries_by_release().rows
     assert [r[0] for r in rows] == [r["jax"] for r in runbook.site.load_versions()]
     assert all(float(r[1]) >= 2 for r in rows if r[1] != "-")
 
@@ -72,7 +73,7 @@ def test_fori_loop_and_whole_remat_change_nothing(seed):
 
 def test_recommended_fix_saves_and_sits_near_its_floor(seed):
     result = seed[0]
-    repro = scan_residuals.worst(result)
+    repro = page.worst(result)
     assert repro.params["steps"] == max(scan_residuals.STEPS)
     fix = result.one(scan_residuals.RECOMMENDED, **repro.params)
     assert fix.total == min(r.total for r in result.select(role="fix", **repro.params))
@@ -90,13 +91,13 @@ def test_saved_residuals_name_the_stacked_arrays():
     scale = CASE.scales["tiny"]
     args = scan_residuals._args(scale, {"steps": 16}, False)
     stacked = 16 * scan_residuals.carry_bytes(scale)
-    grad = scan_residuals.saved_residuals(scan_residuals.loss, *args)
-    body = scan_residuals.saved_residuals(scan_residuals.loss_remat_body, *args)
+    grad = page.saved_residuals(scan_residuals.loss, *args)
+    body = page.saved_residuals(scan_residuals.loss_remat_body, *args)
     assert [size for _, size, _ in grad] == [stacked] * len(grad)
     assert len(grad) >= 2
     assert [size for _, size, _ in body] == [stacked]
     assert all("scan_residuals.py" in origin for _, _, origin in grad)
-    table = scan_residuals.residual_table(scan_residuals.loss, *args)
+    table = page.residual_table(scan_residuals.loss, *args)
     assert table.rows[-1][:2] == ["total", runbook.fmt_bytes(len(grad) * stacked)]
 
 
@@ -118,23 +119,19 @@ def test_nested_segments_must_divide_the_steps():
 def test_layers_with_whole_remat_compute_the_same():
     w, h0, xs = scan_residuals._args(CASE.scales["tiny"], {"steps": 16}, True)
     ws = jax.numpy.stack([w, -w])
-    plain = jax.value_and_grad(scan_residuals.loss_layers)(ws, h0, xs)
-    wrapped = jax.value_and_grad(lambda *a: scan_residuals.loss_layers(*a, whole=True))(ws, h0, xs)
+    plain = jax.value_and_grad(page.loss_layers)(ws, h0, xs)
+    wrapped = jax.value_and_grad(lambda *a: page.loss_layers(*a, whole=True))(ws, h0, xs)
     assert jax.numpy.allclose(plain[0], wrapped[0])
     assert jax.numpy.allclose(plain[1], wrapped[1], atol=1e-5)
 
 
 def test_tables_cover_every_variant_and_report(seed):
     result = seed[0]
-    assert [row[0] for row in scan_residuals.fix_table(result).rows] == [
-        v.name for v in CASE.variants
-    ]
-    assert len(scan_residuals.growth_table(result).rows) == len(CASE.variants)
-    reports = scan_residuals.reports_table(result, scan_residuals.measure_layers(steps=64))
-    assert [row[0] for row in reports.rows] == list(scan_residuals.REPORTS)
-    assert scan_residuals.report_link("jax-ml/jax#3186") == (
-        "https://github.com/jax-ml/jax/issues/3186"
-    )
+    assert [row[0] for row in page.fix_table(result).rows] == [v.name for v in CASE.variants]
+    assert len(page.growth_table(result).rows) == len(CASE.variants)
+    reports = page.reports_table(result, page.measure_layers(steps=64))
+    assert [row[0] for row in reports.rows] == list(page.REPORTS)
+    assert page.report_link("jax-ml/jax#3186") == ("https://github.com/jax-ml/jax/issues/3186")
 
 
 def test_cli_json(capsys):
