@@ -7,9 +7,10 @@ it and comparing after:
     python docs/_tools/cli_snapshot.py save /tmp/after       # on the new one
     python docs/_tools/cli_snapshot.py compare /tmp/before /tmp/after
 
-Two fields change from run to run whatever the code does, and are dropped: the date the
-result was generated and each program's compile time. Everything else must match byte for
-byte.
+Some fields change from run to run whatever the code does, and are dropped: the date the
+result was generated, each program's compile time, and the resident-set figures of real
+runs (closure-constant's ``rss_*``, measured in a fresh process each time). Everything else
+must match byte for byte.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 VOLATILE_TOP = ("generated",)
 VOLATILE_VARIANT = ("compile_seconds",)
+VOLATILE_FIGURE_PREFIX = "rss_"  # a real run's resident set: never the same twice
 
 
 def _stable(text: str) -> str:
@@ -33,6 +35,9 @@ def _stable(text: str) -> str:
     for entry in data["variants"]:
         for key in VOLATILE_VARIANT:
             entry.pop(key, None)
+        figures = entry.get("figures", {})
+        for key in [k for k in figures if k.startswith(VOLATILE_FIGURE_PREFIX)]:
+            figures.pop(key)
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
