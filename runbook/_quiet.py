@@ -2,8 +2,11 @@
 
 Loading jax-cuda12-plugin on a machine with no GPU makes its C++ code log "Could not find
 cuda drivers" (three times, with absl's banner), and loading libtpu without a TPU logs that
-it cannot find one. Both write to the process's stderr file descriptor, below Python, and
-both are expected here: a target compile needs neither a GPU nor a TPU. We capture that
+it cannot find one; libtpu also remaps its code onto huge pages as it loads and logs when
+the kernel's settings or the file system do not allow it (a machine with transparent huge
+pages set to "always" prints "File offset incorrectly aligned for file-backed THP"). All of
+it goes to the process's stderr file descriptor, below Python, and all of it is expected
+here: a target compile needs neither a GPU nor a TPU, nor huge pages. We capture that
 descriptor while the plugin loads and write back every line that is not one of these.
 """
 
@@ -23,6 +26,7 @@ EXPECTED = re.compile(
     r"|^WARNING: All log messages before absl::InitializeLog\(\) is called"
     r"|^WARNING: Logging before InitGoogle\(\) is written to STDERR"
     r"|^Failed to find host bounds for accelerator type"
+    r"|hugepage_text\.cc:\d+\] "
 )
 
 

@@ -286,6 +286,28 @@ def test_a_case_measured_first_thing_in_a_process_prints_no_plugin_chatter():
     assert done.stderr.strip() == ""
 
 
+# Lines the plugins really print as they load (libtpu's second one at random, depending on
+# where the kernel maps it, on a machine with transparent huge pages).
+PLUGIN_LINES = [
+    "E0000 00:00:1795547746.216470    3711 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.",
+    "E1124 16:13:41.027869   12989 hugepage_text.cc:344] RAW: File offset incorrectly aligned "
+    "for file-backed THP: (55c270e00000 & ~ffffffffffe00000) = 0 != 85000 = (85000 & "
+    "~ffffffffffe00000)",
+]
+
+
+def test_plugin_start_up_lines_are_dropped_and_every_other_line_is_kept(capfd):
+    from runbook._quiet import plugin_chatter
+
+    with plugin_chatter():
+        for line in PLUGIN_LINES:
+            os.write(2, (line + "\n").encode())
+        os.write(2, b"F1124 something else went wrong\n")
+    err = capfd.readouterr().err
+    assert err == "F1124 something else went wrong\n"
+
+
 @pytest.mark.parametrize("entry", ["diagnose", "measure_case"])
 def test_a_target_name_is_looked_up_once_where_it_enters(monkeypatch, entry):
     if _targets.unavailable("h100"):
