@@ -289,11 +289,15 @@ def test_a_case_measured_first_thing_in_a_process_prints_no_plugin_chatter():
 # Lines the plugins really print as they load (libtpu's second one at random, depending on
 # where the kernel maps it, on a machine with transparent huge pages).
 PLUGIN_LINES = [
-    "E0000 00:00:1795547746.216470    3711 cudart_stub.cc:31] Could not find cuda drivers on "
-    "your machine, GPU will not be used.",
-    "E1124 16:13:41.027869   12989 hugepage_text.cc:344] RAW: File offset incorrectly aligned "
-    "for file-backed THP: (55c270e00000 & ~ffffffffffe00000) = 0 != 85000 = (85000 & "
-    "~ffffffffffe00000)",
+    (
+        "E0000 00:00:1795547746.216470    3711 cudart_stub.cc:31] Could not find cuda drivers on "
+        "your machine, GPU will not be used."
+    ),
+    (
+        "E1124 16:13:41.027869   12989 hugepage_text.cc:344] RAW: File offset incorrectly aligned "
+        "for file-backed THP: (55c270e00000 & ~ffffffffffe00000) = 0 != 85000 = (85000 & "
+        "~ffffffffffe00000)"
+    ),
 ]
 
 
