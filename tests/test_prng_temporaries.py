@@ -70,15 +70,25 @@ def test_blocked_rejects_rows_that_do_not_divide():
 
 # Written unlike the case: other distributions, an old-style uint32 key, a model init, dropout.
 KEY = jax.eval_shape(lambda: jax.random.key(0))
+
+
+def _init(k):
+    return {"w": jax.random.truncated_normal(k, -2, 2, (4096, 4096)), "b": jnp.zeros(4096)}
+
+
+def _dropout(k, x):
+    return jnp.where(jax.random.bernoulli(k, 0.9, x.shape), x / 0.9, 0)
+
+
 OTHERS = {
     "uniform-bf16": (lambda k: jax.random.uniform(k, (8192, 4096), jnp.bfloat16, -1, 1), KEY),
     "bernoulli": (lambda k: jax.random.bernoulli(k, 0.3, (4096, 4096)), KEY),
-    "init": (lambda k: {"w": jax.random.truncated_normal(k, -2, 2, (4096, 4096)),
-                        "b": jnp.zeros(4096)}, KEY),  # fmt: skip
-    "raw-key": (lambda k: 0.02 * jax.random.normal(k, (4096, 2048)),
-                jax.ShapeDtypeStruct((2,), jnp.uint32)),  # fmt: skip
-    "dropout": (lambda k, x: jnp.where(jax.random.bernoulli(k, 0.9, x.shape), x / 0.9, 0),
-                KEY, jax.ShapeDtypeStruct((4096, 4096), jnp.float32)),  # fmt: skip
+    "init": (_init, KEY),
+    "raw-key": (
+        lambda k: 0.02 * jax.random.normal(k, (4096, 2048)),
+        jax.ShapeDtypeStruct((2,), jnp.uint32),
+    ),
+    "dropout": (_dropout, KEY, jax.ShapeDtypeStruct((4096, 4096), jnp.float32)),
 }
 
 

@@ -34,16 +34,13 @@ def _makes_floats_from_bits(program: Program) -> bool:
         if inst.opcode != "bitcast-convert" or not inst.operands:
             continue
         source = program.module.get(inst.operands[0])
-        if source is not None and source.shape.dtype in _UNSIGNED:
-            if inst.shape.dtype in _FLOAT:
-                return True
+        if source is not None and source.shape.dtype in _UNSIGNED and inst.shape.dtype in _FLOAT:
+            return True
     return False
 
 
 def detect(program: Program) -> list[Finding]:
-    chosen = [
-        v for v in program.values if v.kind == "temp" and v.shape.split("[")[0] in _UNSIGNED
-    ]
+    chosen = [v for v in program.values if v.kind == "temp" and v.shape.split("[")[0] in _UNSIGNED]
     if not chosen or not _makes_floats_from_bits(program):
         return []
     nbytes = program.peak(chosen)

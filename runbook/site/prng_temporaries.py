@@ -38,9 +38,7 @@ SETTINGS = (  # (key implementation, jax_threefry_partitionable) the page compar
 )
 
 
-def _setting_json(
-    impl: str, partitionable: bool, scale: str, target: str | None
-) -> dict[str, Any]:
+def _setting_json(impl: str, partitionable: bool, scale: str, target: str | None) -> dict[str, Any]:
     size = CASE.scale(scale)
     key = jax.eval_shape(lambda: make_key(0, impl))
     shape = (size["rows"], size["cols"])
@@ -89,8 +87,10 @@ def reports_table(result: CaseResult, found: list[dict[str, Any]]) -> Table:
     repro = result.one("threefry")
     uniform = uniform_21045(result.provenance.target)
     ours = [
-        f"{fmt_bytes(repro.temp)} of temporaries for a {fmt_bytes(repro.output)} array "
-        f"({repro.temp / repro.output:.2f}x)",
+        (
+            f"{fmt_bytes(repro.temp)} of temporaries for a {fmt_bytes(repro.output)} array "
+            f"({repro.temp / repro.output:.2f}x)"
+        ),
         f"{fmt_bytes(uniform.temp)} of temporaries for its {fmt_bytes(uniform.output)} array",
         "not measured here: the same bits-to-values chain as normal and uniform",
     ]
@@ -150,8 +150,7 @@ def claims(
             "uniform-21045",
             "uniform in bf16 needs several times its output (jax-ml/jax#21045, reported on a TPU v4).",
             verdict(uniform.temp >= 2 * uniform.output),
-            f"{fmt_bytes(uniform.temp)} of temporaries for a {fmt_bytes(uniform.output)} "
-            "array.",
+            f"{fmt_bytes(uniform.temp)} of temporaries for a {fmt_bytes(uniform.output)} array.",
         ),
         Claim(
             "blocked-bounded",
