@@ -117,3 +117,20 @@ def test_the_flag_is_read_when_the_program_is_lowered():
     found = {(s["impl"], s["partitionable"]): s for s in page.settings("small")}
     on, off = found[("threefry2x32", True)], found[("threefry2x32", False)]
     assert on["temp"] != off["temp"]
+
+
+def test_drawing_sharded_gives_the_same_numbers_on_one_device():
+    key = pt.make_key(0, "threefry2x32")
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharded = pt.normal_sharded(key, (64, 64), one)
+    assert sharded.sharding == one
+    assert jnp.array_equal(sharded, pt.normal(key, (64, 64)))
+
+
+def test_sharded_generation_is_measured_per_device_in_a_child():
+    found = page.sharded("small")  # a child with the devices forced
+    assert [s["partitionable"] for s in found] == [True, False]
+    size = CASE.scales["small"]
+    assert all(s["output"] == size["rows"] * size["cols"] * 4 // page.SHARDS for s in found)
+    on, off = found
+    assert off["temp"] > on["temp"]  # each device makes more than its shard's bits

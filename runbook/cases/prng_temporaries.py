@@ -44,6 +44,17 @@ def normal_blocked(key: jax.Array, shape: tuple[int, ...], blocks: int = BLOCKS)
     return stacked.reshape(shape)
 
 
+def normal_sharded(
+    key: jax.Array, shape: tuple[int, ...], sharding: jax.sharding.Sharding
+) -> jax.Array:
+    """Draw the array already sharded: each device makes its own shard.
+
+    Only with ``jax_threefry_partitionable=True`` (JAX's default since 0.5) does each
+    device generate just its shard's bits; with False every device makes far more.
+    """
+    return jax.jit(normal, static_argnums=1, out_shardings=sharding)(key, shape)
+
+
 def make_key(seed: int, impl: str) -> jax.Array:
     """A typed key of generator `impl`: ``"threefry2x32"`` (JAX's default), ``"rbg"``."""
     return jax.random.key(seed, impl=impl)

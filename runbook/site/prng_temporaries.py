@@ -9,14 +9,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import _cache
+from .. import _cache, _spec, _subprocess, _targets
 from .._case import CaseResult, measure_case
 from .._claims import Claim, verdict
 from .._measure import MemoryReport, measure
 from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
-from ..cases.prng_temporaries import CASE, make_key, normal
+from ..cases.prng_temporaries import CASE, make_key, normal, normal_sharded
 
 # What the reports say, summarised; ours is measured beside it.
 REPORTS = {
@@ -26,7 +28,11 @@ REPORTS = {
     "allocates about 20 GB",
     "jax-ml/jax#17865": "jax.random.bernoulli needs several times its output to turn bits "
     "into booleans",
+    "jax-ml/jax#19893": "initialising large parameters runs out of memory, and sharding them "
+    "cannot help: every device holds threefry's bits for the whole array",
 }
+
+SHARDS = 8  # devices the array is drawn sharded over (rows split, `P("x", None)`)
 
 # jax-ml/jax#21045's program: a (524288, 4096) bf16 uniform array, 4 GiB.
 UNIFORM_21045 = (524288, 4096)
@@ -73,6 +79,62 @@ def settings_table(found: list[dict[str, Any]], caption: str = "") -> Table:
     )
 
 
+def _sharded_json(scale: str, target: str | None) -> list[dict[str, Any]]:
+    """In a process with `SHARDS` devices (or for a target): `normal_sharded` per flag."""
+    size = CASE.scale(scale)
+    shape = (size["rows"], size["cols"])
+    found = []
+    with _targets.compiling_for(target):
+        mesh = Mesh(np.array(_spec.devices(SHARDS)), ("x",))
+        key = jax.eval_shape(lambda: make_key(0, "threefry2x32"))
+        key = jax.ShapeDtypeStruct(
+            key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec())
+        )
+        rows = NamedSharding(mesh, PartitionSpec("x", None))
+        for partitionable in (True, False):
+            with jax.threefry_partitionable(partitionable):
+                report = measure(lambda k: normal_sharded(k, shape, rows), key, target=target)
+            found.append({"partitionable": partitionable, "temp": report.temp,
+                          "output": report.output})  # fmt: skip
+    return found
+
+
+def sharded(scale: str = "seed", target: str | None = None) -> list[dict[str, Any]]:
+    """`normal_sharded` over `SHARDS` devices, with `jax_threefry_partitionable` True and
+    False: per device, the temporaries and the output (the shard), in bytes.
+
+    On CPU the devices are forced in a child process (they must exist before JAX starts).
+    """
+    request = {"kind": "prng-sharded", "scale": scale, "target": target, "shards": SHARDS}
+    if target is None and jax.device_count() < SHARDS:
+        compute = functools.partial(
+            _subprocess.call, f"{__name__}:_sharded_json", devices=SHARDS, scale=scale,
+            target=None,
+        )  # fmt: skip
+    else:
+        compute = functools.partial(_sharded_json, scale, target)
+    found: list[dict[str, Any]] = _cache.cached(request, compute, module=__name__)
+    return found
+
+
+def sharded_table(
+    found: list[dict[str, Any]], unsharded: list[dict[str, Any]], caption: str = ""
+) -> Table:
+    rows = []
+    for s in found:
+        whole = _at(unsharded, "threefry2x32", s["partitionable"])
+        rows.append([
+            str(s["partitionable"]), fmt_bytes(s["output"]), fmt_bytes(s["temp"]),
+            fmt_bytes(whole["temp"]), f"{s['temp'] / max(whole['temp'], 1):.3f}",
+        ])  # fmt: skip
+    return Table(
+        ["jax_threefry_partitionable", "shard (per device)", f"temporaries per device, {SHARDS} shards",
+         "temporaries, one device", "ratio"],
+        rows,
+        caption,
+    )  # fmt: skip
+
+
 def uniform_21045(target: str | None = None) -> MemoryReport:
     """jax-ml/jax#21045's call, compiled (nothing is allocated)."""
     key = jax.eval_shape(lambda: make_key(0, "threefry2x32"))
@@ -93,8 +155,22 @@ def reports_table(result: CaseResult, found: list[dict[str, Any]]) -> Table:
         ),
         f"{fmt_bytes(uniform.temp)} of temporaries for its {fmt_bytes(uniform.output)} array",
         "not measured here: the same bits-to-values chain as normal and uniform",
+        _sharded_evidence(sharded(result.scale, result.provenance.target or None), found),
     ]
     return cited_reports_table(REPORTS, ours, result.provenance.label())
+
+
+def _sharded_evidence(split: list[dict[str, Any]], found: list[dict[str, Any]]) -> str:
+    default = jax.config.jax_threefry_partitionable
+    many = next(s for s in split if s["partitionable"] == default)
+    other = next(s for s in split if s["partitionable"] != default)
+    one = _at(found, "threefry2x32", default)
+    return (
+        f"with this JAX's default (partitionable={default}): {fmt_bytes(many['temp'])} per "
+        f"device over {SHARDS} shards of {fmt_bytes(many['output'])}, against "
+        f"{fmt_bytes(one['temp'])} on one device; with partitionable={not default}: "
+        f"{fmt_bytes(other['temp'])} per device"
+    )
 
 
 def _at(found: list[dict[str, Any]], impl: str, partitionable: bool) -> dict[str, Any]:
@@ -121,6 +197,9 @@ def claims(
     repro, rbg, blocked = (result.one(n) for n in ("threefry", "rbg", "blocked"))
     on, off = _at(found, "threefry2x32", True), _at(found, "threefry2x32", False)
     uniform = uniform_21045(target)
+    split = sharded(result.scale, target)
+    one = _at(found, "threefry2x32", jax.config.jax_threefry_partitionable)
+    many = next(s for s in split if s["partitionable"] == jax.config.jax_threefry_partitionable)
     share = repro.temp / repro.output
     return [
         Claim(
@@ -151,6 +230,16 @@ def claims(
             "uniform in bf16 needs several times its output (jax-ml/jax#21045, reported on a TPU v4).",
             verdict(uniform.temp >= 2 * uniform.output),
             f"{fmt_bytes(uniform.temp)} of temporaries for a {fmt_bytes(uniform.output)} array.",
+        ),
+        Claim(
+            "sharding-cannot-help",
+            "Drawing the array already sharded does not reduce each device's temporaries "
+            "(jax-ml/jax#19893).",
+            # Where one device needs almost nothing there is nothing for sharding to reduce.
+            "not reproducible here"
+            if one["temp"] < 0.05 * one["output"]
+            else verdict(many["temp"] >= 0.5 * one["temp"]),
+            _sharded_evidence(split, found) + ".",
         ),
         Claim(
             "blocked-bounded",
