@@ -5,6 +5,7 @@ change the temporaries, and the claims. The reproduction and its fixes are in
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .. import _cache, _spec, _subprocess, _targets
 from .._case import CaseResult, measure_case
 from .._claims import Claim, verdict
+from .._history import Note, load_versions
 from .._measure import MemoryReport, measure
 from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
@@ -249,3 +251,31 @@ def claims(
             f"{blocked.overhead:.3f}x the floor (the array).",
         ),
     ]
+
+
+def _default_flag(evidence: str) -> str | None:
+    """The flag's default a release ran with, as the sharding claim's evidence records it."""
+    match = re.search(r"default \(partitionable=(True|False)\)", evidence)
+    return match.group(1) if match else None
+
+
+def sharding_by_release(releases: list[dict[str, Any]] | None = None) -> Note:
+    """jax-ml/jax#19893's verdict per release, grouped by the flag's default there."""
+    groups: dict[tuple[str, str | None], list[str]] = {}
+    for release in releases if releases is not None else load_versions():
+        found = release.get("claims", {}).get("cases", {}).get(CASE.name) or {}
+        claim = next(
+            (c for c in found.get("claims", []) if c["key"] == "sharding-cannot-help"), None
+        )
+        if claim:
+            groups.setdefault((claim["verdict"], _default_flag(claim["evidence"])), []).append(
+                release["jax"]
+            )
+    parts = [
+        f"{verdict} on {', '.join(names)} (jax_threefry_partitionable defaulting to {default})"
+        for (verdict, default), names in groups.items()
+    ]
+    return Note(
+        "jax-ml/jax#19893 ('sharding cannot help'), decided on CPU by each release of the "
+        f"version matrix: {'; '.join(parts)}."
+    )
