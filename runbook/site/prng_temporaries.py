@@ -122,16 +122,19 @@ def sharded(scale: str = "seed", target: str | None = None) -> list[dict[str, An
 def sharded_table(
     found: list[dict[str, Any]], unsharded: list[dict[str, Any]], caption: str = ""
 ) -> Table:
+    """`sharded(...)` per flag: each device's temporaries beside its shard's size and beside
+    the temporaries of the whole array drawn on one device."""
     rows = []
     for s in found:
         whole = _at(unsharded, "threefry2x32", s["partitionable"])
         rows.append([
             str(s["partitionable"]), fmt_bytes(s["output"]), fmt_bytes(s["temp"]),
-            fmt_bytes(whole["temp"]), f"{s['temp'] / max(whole['temp'], 1):.3f}",
+            f"{s['temp'] / s['output']:.2f}x", fmt_bytes(whole["temp"]),
         ])  # fmt: skip
     return Table(
-        ["jax_threefry_partitionable", "shard (per device)", f"temporaries per device, {SHARDS} shards",
-         "temporaries, one device", "ratio"],
+        ["jax_threefry_partitionable", "shard (per device)",
+         f"temporaries per device, {SHARDS} shards", "temporaries / shard",
+         "temporaries, whole array on one device"],
         rows,
         caption,
     )  # fmt: skip
@@ -149,7 +152,8 @@ def uniform_21045(target: str | None = None) -> MemoryReport:
 
 def reports_table(result: CaseResult, found: list[dict[str, Any]]) -> Table:
     repro = result.one("threefry")
-    uniform = uniform_21045(result.provenance.target)
+    target = result.provenance.target or None  # "" on this process's backend
+    uniform = uniform_21045(target)
     ours = [
         (
             f"{fmt_bytes(repro.temp)} of temporaries for a {fmt_bytes(repro.output)} array "
@@ -157,7 +161,7 @@ def reports_table(result: CaseResult, found: list[dict[str, Any]]) -> Table:
         ),
         f"{fmt_bytes(uniform.temp)} of temporaries for its {fmt_bytes(uniform.output)} array",
         "not measured here: the same bits-to-values chain as normal and uniform",
-        _sharded_evidence(sharded(result.scale, result.provenance.target or None), found),
+        _sharded_evidence(sharded(result.scale, target), found),
     ]
     return cited_reports_table(REPORTS, ours, result.provenance.label())
 
