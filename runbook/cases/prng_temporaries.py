@@ -40,7 +40,7 @@ def normal_blocked(key: jax.Array, shape: tuple[int, ...], blocks: int = BLOCKS)
     if rows % blocks:
         raise ValueError(f"{rows} rows do not divide into {blocks} blocks")
     keys = jax.random.split(key, blocks)
-    stacked = jax.lax.map(lambda k: normal(k, (rows // blocks, *rest)), keys)
+    stacked: jax.Array = jax.lax.map(lambda k: normal(k, (rows // blocks, *rest)), keys)
     return stacked.reshape(shape)
 
 
@@ -50,9 +50,11 @@ def normal_sharded(
     """Draw the array already sharded: each device makes its own shard.
 
     Only with ``jax_threefry_partitionable=True`` (JAX's default since 0.5) does each
-    device generate just its shard's bits; with False every device makes far more.
+    device generate just its shard's bits; with False each device needs several times it.
     """
-    return jax.jit(normal, static_argnums=1, out_shardings=sharding)(key, shape)
+    draw = jax.jit(normal, static_argnums=1, out_shardings=sharding)
+    out: jax.Array = draw(key, shape)
+    return out
 
 
 def make_key(seed: int, impl: str) -> jax.Array:

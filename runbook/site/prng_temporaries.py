@@ -46,6 +46,12 @@ SETTINGS = (  # (key implementation, jax_threefry_partitionable) the page compar
 )
 
 
+def _partitionable_default() -> bool:
+    """This JAX's default for ``jax_threefry_partitionable`` (False before 0.5)."""
+    value: bool = jax.config.jax_threefry_partitionable  # type: ignore[attr-defined]
+    return value
+
+
 def _setting_json(impl: str, partitionable: bool, scale: str, target: str | None) -> dict[str, Any]:
     size = CASE.scale(scale)
     key = jax.eval_shape(lambda: make_key(0, impl))
@@ -167,7 +173,7 @@ def reports_table(result: CaseResult, found: list[dict[str, Any]]) -> Table:
 
 
 def _sharded_evidence(split: list[dict[str, Any]], found: list[dict[str, Any]]) -> str:
-    default = jax.config.jax_threefry_partitionable
+    default = _partitionable_default()
     many = next(s for s in split if s["partitionable"] == default)
     other = next(s for s in split if s["partitionable"] != default)
     one = _at(found, "threefry2x32", default)
@@ -204,8 +210,8 @@ def claims(
     on, off = _at(found, "threefry2x32", True), _at(found, "threefry2x32", False)
     uniform = uniform_21045(target)
     split = sharded(result.scale, target)
-    one = _at(found, "threefry2x32", jax.config.jax_threefry_partitionable)
-    many = next(s for s in split if s["partitionable"] == jax.config.jax_threefry_partitionable)
+    one = _at(found, "threefry2x32", _partitionable_default())
+    many = next(s for s in split if s["partitionable"] == _partitionable_default())
     share = repro.temp / repro.output
     return [
         Claim(
@@ -229,7 +235,7 @@ def claims(
             "jax_threefry_partitionable=True needs more temporaries than False.",
             verdict(on["temp"] - off["temp"] > 0.01 * on["output"]),
             f"{fmt_bytes(on['temp'])} with True, {fmt_bytes(off['temp'])} with False "
-            f"(the running JAX defaults to {jax.config.jax_threefry_partitionable}).",
+            f"(the running JAX defaults to {_partitionable_default()}).",
         ),
         Claim(
             "uniform-21045",
