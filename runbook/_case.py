@@ -29,6 +29,7 @@ _CASES = {
     "vmap-materialize": "runbook.cases.vmap_materialize",
     "closure-constant": "runbook.cases.closure_constant",
     "donation": "runbook.cases.donation",
+    "prng-temporaries": "runbook.cases.prng_temporaries",
 }
 
 

@@ -16,6 +16,7 @@ from . import (
     donation,
     frozen_params,
     gather_index,
+    prng_bits,
     replicated_inputs,
     scan_residuals,
     unrolled_loop,
@@ -35,6 +36,7 @@ DETECTORS: tuple[Detector, ...] = (
     closure_constant.detect,
     frozen_params.detect,
     vocab_logits.detect,
+    prng_bits.detect,
 )
 
 __all__ = ["DETECTORS", "Detector"]
