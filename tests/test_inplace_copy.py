@@ -66,7 +66,9 @@ def test_the_same_result_check_passes_for_the_fixes_and_can_fail():
     want = [np.asarray(x) for x in ic.update_then_read(buf, rows)]
     shifted = buf.at[1 : rows.shape[0] + 1].set(rows)
     got = [np.asarray(shifted), np.asarray(jnp.sum(shifted - buf))]
-    err = max(float(np.max(np.abs(a - b) / (np.abs(b) + 1))) for a, b in zip(got, want))
+    err = max(
+        float(np.max(np.abs(a - b) / (np.abs(b) + 1))) for a, b in zip(got, want, strict=True)
+    )
     assert err > CASE.tolerance
 
 
@@ -132,10 +134,17 @@ def _column(buf, col):
 
 OTHERS = {
     "kv-dict": (jax.jit(_kv_step, donate_argnums=0), CACHE, ROW, POS),
-    "scatter": (jax.jit(_scatter, donate_argnums=0), S((2**24,), f32), S((512,), jnp.int32),
-                S((512,), f32)),  # fmt: skip
-    "bf16-column": (jax.jit(_column, donate_argnums=0), S((16384, 2048), jnp.bfloat16),
-                    S((16384,), jnp.bfloat16)),  # fmt: skip
+    "scatter": (
+        jax.jit(_scatter, donate_argnums=0),
+        S((2**24,), f32),
+        S((512,), jnp.int32),
+        S((512,), f32),
+    ),
+    "bf16-column": (
+        jax.jit(_column, donate_argnums=0),
+        S((16384, 2048), jnp.bfloat16),
+        S((16384,), jnp.bfloat16),
+    ),
 }
 
 
@@ -156,11 +165,17 @@ def _scan_stack(x):
 
 CLEAN = {
     "update-only": (jax.jit(ic.update_only, donate_argnums=0), S((2**24,), f32), S((64,), f32)),
-    "undonated": (jax.jit(lambda b, r: (b.at[:64].set(r), b.sum())), S((2**24,), f32),
-                  S((64,), f32)),  # fmt: skip
+    "undonated": (
+        jax.jit(lambda b, r: (b.at[:64].set(r), b.sum())),
+        S((2**24,), f32),
+        S((64,), f32),
+    ),
     "scan-stack": (jax.jit(_scan_stack), S((1024, 4096), f32)),
-    "mlp-grad": (jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)), S((2048, 2048), f32),
-                 S((512, 2048), f32)),  # fmt: skip
+    "mlp-grad": (
+        jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)),
+        S((2048, 2048), f32),
+        S((512, 2048), f32),
+    ),
     "cumsum": (jax.jit(lambda x: jnp.cumsum(x, axis=0)), S((4096, 4096), f32)),
 }
 

@@ -90,8 +90,10 @@ def _donated(fn: Callable[..., Any]) -> Callable[[Params], Callable[..., Any]]:
     return lambda p: jax.jit(fn, donate_argnums=0)
 
 
-def _variant(name: str, role: str, summary: str, fn: Callable[..., Any]) -> Variant:
-    return Variant(name, role, summary, _donated(fn))
+def _variant(
+    name: str, role: str, summary: str, fn: Callable[..., Any], since: str = ""
+) -> Variant:
+    return Variant(name, role, summary, _donated(fn), since=since)
 
 
 CASE = Case(
@@ -106,21 +108,37 @@ CASE = Case(
     },
     variants=(
         _variant("update-only", "baseline", "the update alone (donated)", update_only),
-        _variant("read-after", "reproduction", "update, then read the old buffer "
-                 "(update_then_read)", update_then_read),  # fmt: skip
-        _variant("read-first", "fix", "read the old rows, then update (read_then_update)",
-                 read_then_update),  # fmt: skip
-        _variant("barrier", "fix", "read first, ordered by lax.optimization_barrier "
-                 "(read_then_update_ordered)", read_then_update_ordered),  # fmt: skip
-        _variant("from-read", "fix", "recommended: the update computed from the rows it "
-                 "replaces (update_from_read)", update_from_read),  # fmt: skip
+        _variant(
+            "read-after",
+            "reproduction",
+            "update, then read the old buffer (update_then_read)",
+            update_then_read,
+        ),
+        _variant(
+            "read-first",
+            "fix",
+            "read the old rows, then update (read_then_update)",
+            read_then_update,
+        ),
+        _variant(
+            "barrier",
+            "fix",
+            "read first, ordered by lax.optimization_barrier (read_then_update_ordered)",
+            read_then_update_ordered,
+            since="jax.lax.optimization_barrier",
+        ),
+        _variant(
+            "from-read",
+            "fix",
+            "recommended: the update computed from the rows it replaces (update_from_read)",
+            update_from_read,
+        ),
     ),
     args=_args,
     grid=lambda s: [{"size": s["size"], "rows": s["rows"]}],
     floor=_floor,
     tolerance=1e-5,
     runnable_scale="small",
-    cause="the old buffer is read after the update, so XLA updates a copy and keeps the "
-    "original",
+    cause="the old buffer is read after the update, so XLA updates a copy and keeps the original",
     recommended="from-read",
 )

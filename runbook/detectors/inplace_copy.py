@@ -116,9 +116,12 @@ def detect(program: Program) -> list[Finding]:
             continue
         if _copied_for_update(program, inst, source):
             chosen.append(inst)
-    if not chosen:
+    # A copy can take over the donated input's memory; the cost is the copies held as
+    # temporaries (every copy when the buffer assignment is not known).
+    temps = [v for i in chosen for v in program.values_of(i.name) if v.kind == "temp"]
+    nbytes = program.peak(temps) if temps else sum(i.shape.nbytes for i in chosen)
+    if not chosen or nbytes < MIN_SHARE * program.total:
         return []
-    nbytes = sum(i.shape.nbytes for i in chosen)
     return [
         finding(
             PATTERN,

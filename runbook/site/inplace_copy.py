@@ -5,6 +5,7 @@ reproduction and its fixes are in `runbook.cases.inplace_copy`."""
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from typing import Any
 
@@ -40,6 +41,11 @@ QUADRATIC = 8.0  # time ratio over a 4x longer loop: 4 when linear, 16 when quad
 def _share(result: CaseResult, name: str) -> float:
     report = result.one(name)
     return report.temp / (report.lower_bound or 1)
+
+
+def measured(result: CaseResult, name: str) -> bool:
+    """False for a variant this JAX cannot build (e.g. no lax.optimization_barrier)."""
+    return bool(result.select(name))
 
 
 def copies(result: CaseResult, name: str) -> bool:
@@ -110,8 +116,11 @@ def reports_table(result: CaseResult) -> Table:
     target = result.provenance.target or None  # "" on this process's backend
     only, after = result.one("update-only"), result.one("read-after")
     ours = [
-        f"the update alone, donated: {fmt_bytes(only.temp)} of temporaries; read afterwards: "
-        f"{fmt_bytes(after.temp)}, a copy of the {fmt_bytes(after.lower_bound)} buffer",
+        (
+            f"the update alone, donated: {fmt_bytes(only.temp)} of temporaries; read "
+            f"afterwards: {fmt_bytes(after.temp)}, a copy of the {fmt_bytes(after.lower_bound)} "
+            "buffer"
+        ),
         _finding(target),
         _per_step(loop_timing()),
         _loop_evidence(loop_timing()) + f" (jax {jax.__version__}, this machine's CPU)",
@@ -139,6 +148,12 @@ def claims(
         return f"{name}: {fmt_bytes(result.one(name).temp)} of temporaries"
 
     loop = loop_timing() if target is None else None
+
+    def avoids(name: str) -> tuple[str, str]:
+        if not measured(result, name):
+            return "not reproducible here", f"{name}: this JAX lacks an API it needs."
+        return verdict(in_place(result, name)), f"{temps(name)}."
+
     return [
         Claim(
             "donated-in-place",
@@ -164,14 +179,12 @@ def claims(
         Claim(
             "barrier-avoids",
             "Ordering the read before the update with lax.optimization_barrier avoids the copy.",
-            verdict(in_place(result, "barrier")),
-            f"{temps('barrier')}.",
+            *avoids("barrier"),
         ),
         Claim(
             "from-read-avoids",
             "An update computed from the rows it replaces is applied in place.",
-            verdict(in_place(result, "from-read")),
-            f"{temps('from-read')}.",
+            *avoids("from-read"),
         ),
         Claim(
             "loop-rewrites-40101",
@@ -185,16 +198,29 @@ def claims(
     ]
 
 
+def _entry(release: dict[str, Any], target: str | None, name: str) -> dict[str, Any] | None:
+    where = release if target is None else release.get("targets", {}).get(target, {})
+    case = where.get("cases", {}).get(CASE.name) or {}
+    entries = [*case.get("variants", []), *case.get("skipped", [])]
+    return next((v for v in entries if v["name"] == name), None)
+
+
 def _copies_in(release: dict[str, Any], target: str | None, name: str) -> bool | None:
     """Whether `name` copied the buffer in `release`'s data (None: not measured there)."""
-    where = release if target is None else release.get("targets", {}).get(target, {})
-    case = where.get("cases", {}).get(CASE.name)
-    if not case:
-        return None
-    variant = next((v for v in case["variants"] if v["name"] == name), None)
+    variant = _entry(release, target, name)
     if variant is None or variant.get("status", "ok") != "ok":
         return None
     return bool(variant["bytes"]["temp"] >= COPIED * variant["lower_bound"])
+
+
+def _state(release: dict[str, Any], target: str | None, name: str) -> str:
+    found = _copies_in(release, target, name)
+    if found is not None:
+        return "copy" if found else "in place"
+    variant = _entry(release, target, name)
+    return (
+        "not in this JAX" if variant and variant["status"] == "not applicable" else "not measured"
+    )
 
 
 def by_release(
@@ -211,8 +237,7 @@ def by_release(
         row = [release["jax"]]
         for name in names:
             for target in targets:
-                found = _copies_in(release, target, name)
-                row.append("not measured" if found is None else "copy" if found else "in place")
+                row.append(_state(release, target, name))
         decided = release.get("claims", {}).get("cases", {}).get(CASE.name) or {}
         loop = next((c for c in decided.get("claims", []) if c["key"] == "loop-rewrites-40101"),
                     None)  # fmt: skip
@@ -235,7 +260,7 @@ def changes(releases: list[dict[str, Any]] | None = None) -> Note:
         for target in (None, "h100"):
             states = [(r["jax"], _copies_in(r, target, name)) for r in releases]
             states = [(jax_version, s) for jax_version, s in states if s is not None]
-            for (before, a), (after, b) in zip(states, states[1:], strict=False):
+            for (before, a), (after, b) in itertools.pairwise(states):
                 if a != b:
                     found.append(
                         f"{name} on {target or 'CPU'}: {'copy' if a else 'in place'} in "
@@ -257,6 +282,7 @@ def dependence_table(result: CaseResult) -> Table:
          "copy" if copies(result, v.name) else "in place" if in_place(result, v.name) else
          "partial"]
         for v in CASE.variants
+        if measured(result, v.name)
     ]  # fmt: skip
     return Table(
         ["variant", "does the update depend on the read?", "temporaries", "buffer"],
@@ -272,6 +298,8 @@ def targets_table(targets: tuple[str, ...] = ("h100", "v5e")) -> Table:
     ]
     rows = []
     for v in CASE.variants:
+        if not all(measured(r, v.name) for r in results):
+            continue
         row = [v.name]
         for r in results:
             state = "copy" if copies(r, v.name) else "in place" if in_place(r, v.name) else "?"
@@ -283,4 +311,3 @@ def targets_table(targets: tuple[str, ...] = ("h100", "v5e")) -> Table:
         rows,
         f"Temporaries of each variant, jax {jax.__version__}, one device each.",
     )
-
