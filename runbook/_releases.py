@@ -9,8 +9,10 @@ from __future__ import annotations
 
 RELEASES = (
     "0.4.30", "0.4.35", "0.4.38", "0.5.3", "0.6.2", "0.7.2", "0.8.3", "0.9.2", "0.10.2",
-    "0.11.2", "0.12.0.1",
+    "0.11.1", "0.11.2", "0.12.0.1",
 )  # fmt: skip
+# 0.11.1 is measured beside 0.11.2: its jaxlib made XLA:CPU rewrite a whole buffer for each
+# small update in a loop (jax-ml/jax#40101), which the inplace-copy page decides per release.
 
 # JAX 0.11 and newer publish wheels for Python 3.12 and newer only; the releases before it
 # all have wheels for 3.11 (0.4.30's newest is 3.12), the oldest Python the package supports.

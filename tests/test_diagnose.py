@@ -418,6 +418,7 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
         (jax.grad(lora_loss), (LORA, TOKENS)),
         (jax.value_and_grad(lm_loss), LM),
         (lambda k: jax.random.uniform(k, (4096, 4096)), (jax.eval_shape(jax.random.key, 0),)),
+        (jax.jit(lambda b: (b.at[0].set(1.0), b.sum()), donate_argnums=0), (S((4096, 4096), f32),)),
     ]
     seen = set()
     for fn, args in programs:
@@ -428,7 +429,7 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
             assert f.link in f.fix
             assert f.copy is None or f.copy in f.fix
     assert seen == set(runbook.case_names())
-    assert len(DETECTORS) == 10
+    assert len(DETECTORS) == 11
 
 
 def test_detector_table_states_each_rule():

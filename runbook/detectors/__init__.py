@@ -16,6 +16,7 @@ from . import (
     donation,
     frozen_params,
     gather_index,
+    inplace_copy,
     prng_bits,
     replicated_inputs,
     scan_residuals,
@@ -37,6 +38,7 @@ DETECTORS: tuple[Detector, ...] = (
     frozen_params.detect,
     vocab_logits.detect,
     prng_bits.detect,
+    inplace_copy.detect,
 )
 
 __all__ = ["DETECTORS", "Detector"]
