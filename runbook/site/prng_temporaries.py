@@ -48,7 +48,8 @@ SETTINGS = (  # (key implementation, jax_threefry_partitionable) the page compar
 
 def _partitionable_default() -> bool:
     """This JAX's default for ``jax_threefry_partitionable`` (False before 0.5)."""
-    value: bool = jax.config.jax_threefry_partitionable  # type: ignore[attr-defined]
+    # Newer jax releases type this attribute; older ones do not (hence both codes).
+    value: bool = jax.config.jax_threefry_partitionable  # type: ignore[attr-defined,unused-ignore]
     return value
 
 
