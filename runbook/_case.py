@@ -30,6 +30,7 @@ _CASES = {
     "closure-constant": "runbook.cases.closure_constant",
     "donation": "runbook.cases.donation",
     "prng-temporaries": "runbook.cases.prng_temporaries",
+    "attention-scores": "runbook.cases.attention_scores",
 }
 
 
@@ -245,6 +246,7 @@ def _measure_variants(
         options = case.options() if target is None else {}
     reports: list[MemoryReport] = []
     skipped: list[dict[str, Any]] = []
+    platform = target.platform if target is not None else jax.default_backend()
     for variant in case.variants:
         if variants and variant.name not in variants:
             continue
@@ -256,6 +258,10 @@ def _measure_variants(
                 skipped.append(
                     {**where, "status": "not applicable", "reason": f"needs {variant.since}"}
                 )
+                continue
+            reason = variant.unavailable(platform) if variant.unavailable else None
+            if reason:
+                skipped.append({**where, "status": "not applicable", "reason": reason})
                 continue
             # Reading the buffers back adds a few percent to a compile; storing them always
             # lets one compile answer both kinds of request (a page asks for both).
@@ -378,6 +384,8 @@ def _verify_json(name: str, scale: str) -> list[dict[str, Any]]:
         expected = pick(run_variant(case, reproduction, scale, params))
         for v in case.variants:
             if v.role != "fix" or not case.available(v):
+                continue
+            if v.unavailable is not None and v.unavailable(jax.default_backend()):
                 continue
             got = pick(run_variant(case, v, scale, params))
             diffs = jax.tree_util.tree_map(

@@ -1,0 +1,281 @@
+"""`attention-scores`: attention materialises the (T x T) score matrix, and its gradient keeps it.
+
+``softmax(q k^T) v`` over T tokens makes a ``T x T`` score matrix per head; its gradient
+needs the probabilities again, so XLA keeps them (or their gradients) alive at the full
+size: memory quadratic in the sequence. Reports: jax-ml/jax PR #20145, google/flax#2858,
+and many diffusers / big_vision reports. The functions below are the reproduction and its
+fixes; copy the one you need. Inputs are ``(batch, tokens, heads, head_dim)``, the layout
+of `jax.nn.dot_product_attention`; every function here is causal.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._spec import Case, Params, Variant
+
+BLOCK = 128  # tokens per block of `attention_blockwise` (queries and keys alike)
+CHUNK = 512  # queries per chunk of `attention_chunked`
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The reproduction: JAX's own attention, XLA's implementation (the default off GPU)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def attention_cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The GPU fix: cuDNN's fused (flash) attention; compiles for NVIDIA GPUs only."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = CHUNK) -> jax.Array:
+    """Queries in chunks, each under `jax.checkpoint` (Rabe & Staats, arXiv 2112.05682).
+
+    `jax.lax.map` runs the chunks one after another; each makes ``chunk x T`` scores,
+    and `jax.checkpoint` makes the gradient compute them again instead of keeping them.
+    The tokens must divide into chunks.
+    """
+    b, t, h, d = q.shape
+    cols = jnp.arange(t)
+
+    def rows(start: jax.Array) -> jax.Array:
+        qc = lax.dynamic_slice_in_dim(q, start, chunk, axis=1)
+        s = jnp.einsum("bqhd,bkhd->bhqk", qc, k, preferred_element_type=jnp.float32)
+        causal = cols[None, :] <= (start + jnp.arange(chunk))[:, None]
+        p = jax.nn.softmax(jnp.where(causal, s * d**-0.5, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
+
+    out = lax.map(jax.checkpoint(rows), jnp.arange(0, t, chunk))  # (t // chunk, b, chunk, h, d)
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, h, d)
+
+
+def _block(x: jax.Array, i: jax.Array, size: int, axis: int = 1) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
+
+
+def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, size: int) -> jax.Array:
+    """Block (i, j) of the scaled, causally masked scores, float32, ``(b, h, size, size)``."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", qi, kj, preferred_element_type=jnp.float32)
+    rows, cols = i * size + jnp.arange(size), j * size + jnp.arange(size)
+    return jnp.where(cols[None, :] <= rows[:, None], s * qi.shape[-1] ** -0.5, -jnp.inf)
+
+
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """The output and each row's log-sum-exp, one block of queries at a time against the
+    blocks of keys at or before it (an online softmax)."""
+    b, t, h, d = q.shape
+
+    def rows(i: jax.Array) -> tuple[jax.Array, jax.Array]:
+        qi = _block(q, i, size)
+
+        def step(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            m, total, acc = carry
+            s = _scores(qi, _block(k, j, size), i, j, size)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            fade = jnp.exp(m - m_new)
+            pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), _block(v, j, size),
+                            preferred_element_type=jnp.float32)  # fmt: skip
+            return m_new, total * fade + p.sum(-1), acc * fade[..., None] + pv
+
+        init = (jnp.full((b, h, size), -jnp.inf), jnp.zeros((b, h, size)),
+                jnp.zeros((b, h, size, d)))  # fmt: skip
+        m, total, acc = lax.fori_loop(0, i + 1, step, init)
+        out = jnp.swapaxes(acc / total[..., None], 1, 2).astype(q.dtype)
+        return out, m + jnp.log(total)
+
+    out, lse = lax.map(rows, jnp.arange(t // size))
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, h, d), jnp.moveaxis(lse, 0, 2).reshape(b, h, t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def attention_blockwise(
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK
+) -> jax.Array:
+    """The fix for every target: blocks of queries and keys, with its own gradient.
+
+    The forward pass keeps each row's log-sum-exp, not the scores. The gradient
+    (`_blockwise_backward`) recomputes each ``block x block`` score block where it needs
+    it: one pass over the query blocks gives the gradient of `q`, another over the key
+    blocks those of `k` and `v`, each summed per block in float32 and written in place.
+    Nothing of size ``T x T`` exists; the tokens must divide into blocks.
+    """
+    return _forward(q, k, v, block)[0]
+
+
+def _blockwise_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    out, lse = _forward(q, k, v, block)
+    return out, (q, k, v, lse)
+
+
+def _blockwise_backward(
+    size: int, saved: tuple[jax.Array, ...], g: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q, k, v, lse = saved
+    b, t, h, d = q.shape
+    f32 = jnp.float32
+
+    def probs(i: jax.Array, j: jax.Array) -> jax.Array:
+        s = _scores(_block(q, i, size), _block(k, j, size), i, j, size)
+        return jnp.exp(s - _block(lse, i, size, axis=2)[..., None])
+
+    def query_pass(i: jax.Array) -> tuple[jax.Array, jax.Array]:
+        gi = _block(g, i, size)
+
+        def out_step(j: jax.Array, acc: jax.Array) -> jax.Array:
+            pv = jnp.einsum("bhqk,bkhd->bqhd", probs(i, j).astype(v.dtype), _block(v, j, size),
+                            preferred_element_type=f32)  # fmt: skip
+            return acc + pv
+
+        out = lax.fori_loop(0, i + 1, out_step, jnp.zeros((b, size, h, d), f32))
+        di = jnp.einsum("bqhd,bqhd->bhq", gi.astype(f32), out)  # rowsum(dO * O)
+
+        def dq_step(j: jax.Array, acc: jax.Array) -> jax.Array:
+            dp = jnp.einsum("bqhd,bkhd->bhqk", gi, _block(v, j, size), preferred_element_type=f32)
+            ds = probs(i, j) * (dp - di[..., None])
+            return acc + jnp.einsum("bhqk,bkhd->bqhd", ds.astype(k.dtype), _block(k, j, size),
+                                    preferred_element_type=f32)  # fmt: skip
+
+        dqi = lax.fori_loop(0, i + 1, dq_step, jnp.zeros((b, size, h, d), f32)) * d**-0.5
+        return dqi.astype(q.dtype), di
+
+    n = t // size
+    dq, delta = lax.map(query_pass, jnp.arange(n))  # stacked over the blocks
+    dq = jnp.moveaxis(dq, 0, 1).reshape(q.shape)
+    delta = jnp.moveaxis(delta, 0, 2).reshape(b, h, t)
+
+    def key_pass(j: jax.Array) -> tuple[jax.Array, jax.Array]:
+        kj, vj = _block(k, j, size), _block(v, j, size)
+
+        def step(i: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            dkj, dvj = acc
+            qi, gi = _block(q, i, size), _block(g, i, size)
+            p = probs(i, j)
+            dp = jnp.einsum("bqhd,bkhd->bhqk", gi, vj, preferred_element_type=f32)
+            ds = p * (dp - _block(delta, i, size, axis=2)[..., None])
+            dvj = dvj + jnp.einsum("bhqk,bqhd->bkhd", p.astype(g.dtype), gi,
+                                   preferred_element_type=f32)  # fmt: skip
+            dkj = dkj + jnp.einsum("bhqk,bqhd->bkhd", ds.astype(q.dtype), qi,
+                                   preferred_element_type=f32)  # fmt: skip
+            return dkj, dvj
+
+        zeros = jnp.zeros((b, size, h, d), f32)
+        dkj, dvj = lax.fori_loop(j, n, step, (zeros, zeros))
+        return (dkj * d**-0.5).astype(k.dtype), dvj.astype(v.dtype)
+
+    dk, dv = lax.map(key_pass, jnp.arange(n))
+    return dq, jnp.moveaxis(dk, 0, 1).reshape(k.shape), jnp.moveaxis(dv, 0, 1).reshape(v.shape)
+
+
+attention_blockwise.defvjp(_blockwise_forward, _blockwise_backward)
+
+
+def attention_gradient(
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """The gradient of ``sum(attend(q, k, v))`` with respect to `q`, `k` and `v`."""
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jnp.sum(attend(q, k, v).astype(jnp.float32))
+
+    grad: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    return grad
+
+
+def _shape(scale: Mapping[str, Any], params: Params) -> tuple[int, int, int, int]:
+    return (scale["batch"], params["tokens"], scale["heads"], scale["dim"])
+
+
+def _args(scale: Mapping[str, Any], params: Params, concrete: bool) -> tuple[Any, ...]:
+    shape = _shape(scale, params)
+    if not concrete:
+        return tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for _ in range(3))
+    rng = np.random.default_rng(0)
+    return tuple(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
+
+
+def floor_bytes(scale: Mapping[str, Any], params: Params) -> int:
+    """What the gradient must hold at the least: q, k, v and their three gradients (bf16)."""
+    b, t, h, d = _shape(scale, params)
+    return 6 * b * t * h * d * 2
+
+
+def _floor(variant: Variant, scale: Mapping[str, Any], params: Params) -> int:
+    return floor_bytes(scale, params)
+
+
+def cudnn_unavailable(platform: str) -> str | None:
+    """Why `attention_cudnn` cannot compile for `platform` here; None when it can."""
+    if platform not in ("cuda", "gpu"):
+        return f"cuDNN attention compiles for NVIDIA GPUs only, not {platform.upper()}"
+    if importlib.util.find_spec("nvidia.cudnn") is None:
+        return "cuDNN not found: install nvidia-cudnn-cu12"
+    return None
+
+
+def _gradient_of(
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> Callable[[Params], Callable[..., Any]]:
+    return lambda p: jax.jit(attention_gradient(attend))
+
+
+CASE = Case(
+    name="attention-scores",
+    title="Attention materialises the T x T score matrix, and its gradient keeps it",
+    symptom="the gradient of an attention layer runs out of memory as the sequence grows, "
+    "quadratically in its length",
+    devices=1,
+    scales={
+        "seed": {"batch": 1, "heads": 8, "dim": 64, "tokens": (8192,)},
+        "small": {"batch": 1, "heads": 2, "dim": 16, "tokens": (1024,)},
+        "tiny": {"batch": 1, "heads": 2, "dim": 8, "tokens": (512,)},
+    },
+    variants=(
+        Variant(
+            "xla",
+            "reproduction",
+            'jax.nn.dot_product_attention(implementation="xla"), causal',
+            _gradient_of(attention),
+            since="jax.nn.dot_product_attention(implementation=)",
+        ),
+        Variant(
+            "chunked",
+            "fix",
+            f"queries in chunks of {CHUNK} under jax.checkpoint (attention_chunked)",
+            _gradient_of(attention_chunked),
+        ),
+        Variant(
+            "cudnn",
+            "fix",
+            'jax.nn.dot_product_attention(implementation="cudnn"), NVIDIA GPUs only',
+            _gradient_of(attention_cudnn),
+            since="jax.nn.dot_product_attention(implementation=)",
+            unavailable=cudnn_unavailable,
+        ),
+        Variant(
+            "blockwise",
+            "fix",
+            f"recommended: blocks of {BLOCK} queries and keys, with its own gradient "
+            "(attention_blockwise)",
+            _gradient_of(attention_blockwise),
+        ),
+    ),
+    args=_args,
+    grid=lambda s: [{"tokens": t} for t in s["tokens"]],
+    floor=_floor,
+    tolerance=0.05,
+    runnable_scale="small",
+    cause="the gradient keeps the T x T probabilities (or their gradient) of every head alive",
+    recommended="blockwise",
+)
