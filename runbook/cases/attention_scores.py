@@ -97,9 +97,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, size: int) -> tuple[jax.A
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention_blockwise(
-    q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK
-) -> jax.Array:
+def attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK) -> jax.Array:
     """The fix for every target: blocks of queries and keys, with its own gradient.
 
     The forward pass keeps each row's log-sum-exp, not the scores. The gradient

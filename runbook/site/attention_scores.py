@@ -129,10 +129,7 @@ def reports_table(result: CaseResult, found: dict[str, list[dict[str, int]]]) ->
         else "cuDNN: not applicable on this target"
     )
     ours = [
-        (
-            f"XLA: {fmt_bytes(result.one('xla').temp)} of temporaries in the backward pass; "
-            + cudnn
-        ),
+        (f"XLA: {fmt_bytes(result.one('xla').temp)} of temporaries in the backward pass; " + cudnn),
         f"temporaries against T: slope {slope(found['xla']):.2f} (log-log, XLA's attention)",
         (
             f"chunked under jax.checkpoint: slope {slope(found['chunked']):.2f}; "
