@@ -153,7 +153,7 @@ def _blockwise_backward(
     delta = jnp.moveaxis(delta, 0, 2).reshape(b, h, t)
 
     def key_pass(j: jax.Array) -> tuple[jax.Array, jax.Array]:
-        kj, vj = _block(k, j, size), _block(v, j, size)
+        vj = _block(v, j, size)
 
         def step(i: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             dkj, dvj = acc
