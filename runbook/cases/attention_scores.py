@@ -57,43 +57,66 @@ def attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = CHU
     return jnp.moveaxis(out, 0, 1).reshape(b, t, h, d)
 
 
-def _block(x: jax.Array, i: jax.Array, size: int, axis: int = 1) -> jax.Array:
-    return lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
+def _block(x: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
+    """Block `i` (of `size` tokens) of one head of `x` ``(b, t, h, d)``: ``(b, size, d)``.
+
+    One head at a time: its rows are contiguous, so a compiler multiplies the block as it
+    lies instead of transposing the whole of `x` into a heads-major copy first.
+    """
+    b, _, _, d = x.shape
+    return lax.dynamic_slice(x, (0, i * size, head, 0), (b, size, 1, d))[:, :, 0]
+
+
+def _put(x: jax.Array, block: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
+    """`x` with block `i` of one head replaced by `block` ``(b, size, d)``, in place."""
+    return lax.dynamic_update_slice(x, block[:, :, None].astype(x.dtype), (0, i * size, head, 0))
+
+
+def _row(x: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
+    """Block `i` of one head of a per-row statistic ``(b, h, t)``: ``(b, size)``."""
+    return lax.dynamic_slice(x, (0, head, i * size), (x.shape[0], 1, size))[:, 0]
+
+
+def _put_row(x: jax.Array, row: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
+    return lax.dynamic_update_slice(x, row[:, None].astype(x.dtype), (0, head, i * size))
 
 
 def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, size: int) -> jax.Array:
-    """Block (i, j) of the scaled, causally masked scores, float32, ``(b, h, size, size)``."""
-    s = jnp.einsum("bqhd,bkhd->bhqk", qi, kj, preferred_element_type=jnp.float32)
+    """Block (i, j) of one head's scaled, causally masked scores, float32 ``(b, size, size)``."""
+    s = jnp.einsum("bqd,bkd->bqk", qi, kj, preferred_element_type=jnp.float32)
     rows, cols = i * size + jnp.arange(size), j * size + jnp.arange(size)
     return jnp.where(cols[None, :] <= rows[:, None], s * qi.shape[-1] ** -0.5, -jnp.inf)
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """The output and each row's log-sum-exp, one block of queries at a time against the
-    blocks of keys at or before it (an online softmax)."""
+    """The output and each row's log-sum-exp ``(b, h, t)``: for each head and block of
+    queries, the blocks of keys at or before it (an online softmax), written in place."""
     b, t, h, d = q.shape
+    n = t // size
 
-    def rows(i: jax.Array) -> tuple[jax.Array, jax.Array]:
-        qi = _block(q, i, size)
+    def rows(at: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        out, lse = carry
+        head, i = at // n, at % n
+        qi = _block(q, i, head, size)
 
-        def step(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-            m, total, acc = carry
-            s = _scores(qi, _block(k, j, size), i, j, size)
+        def step(j: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            m, total, pv = acc
+            s = _scores(qi, _block(k, j, head, size), i, j, size)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             fade = jnp.exp(m - m_new)
-            pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), _block(v, j, size),
-                            preferred_element_type=jnp.float32)  # fmt: skip
-            return m_new, total * fade + p.sum(-1), acc * fade[..., None] + pv
+            pv_j = jnp.einsum("bqk,bkd->bqd", p.astype(v.dtype), _block(v, j, head, size),
+                              preferred_element_type=jnp.float32)  # fmt: skip
+            return m_new, total * fade + p.sum(-1), pv * fade[..., None] + pv_j
 
-        init = (jnp.full((b, h, size), -jnp.inf), jnp.zeros((b, h, size)),
-                jnp.zeros((b, h, size, d)))  # fmt: skip
-        m, total, acc = lax.fori_loop(0, i + 1, step, init)
-        out = jnp.swapaxes(acc / total[..., None], 1, 2).astype(q.dtype)
-        return out, m + jnp.log(total)
+        init = (jnp.full((b, size), -jnp.inf), jnp.zeros((b, size)), jnp.zeros((b, size, d)))
+        m, total, pv = lax.fori_loop(0, i + 1, step, init)
+        out = _put(out, pv / total[..., None], i, head, size)
+        return out, _put_row(lse, m + jnp.log(total), i, head, size)
 
-    out, lse = lax.map(rows, jnp.arange(t // size))
-    return jnp.moveaxis(out, 0, 1).reshape(b, t, h, d), jnp.moveaxis(lse, 0, 2).reshape(b, h, t)
+    init = (jnp.zeros_like(q), jnp.zeros((b, h, t), jnp.float32))
+    out, lse = lax.fori_loop(0, h * n, rows, init)
+    return out, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -101,10 +124,11 @@ def attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int = B
     """The fix for every target: blocks of queries and keys, with its own gradient.
 
     The forward pass keeps each row's log-sum-exp, not the scores. The gradient
-    (`_blockwise_backward`) recomputes each ``block x block`` score block where it needs
-    it: one pass over the query blocks gives the gradient of `q`, another over the key
-    blocks those of `k` and `v`, each summed per block in float32 and written in place.
-    Nothing of size ``T x T`` exists; the tokens must divide into blocks.
+    (`_blockwise_backward`) recomputes each ``block x block`` score block of one head
+    where it needs it: one pass over the query blocks gives the gradient of `q`, another
+    over the key blocks those of `k` and `v`, each summed per block in float32 and written
+    in place into arrays of the inputs' layout. Nothing of size ``T x T`` exists, nor a
+    transposed copy of an input; the tokens must divide into blocks.
     """
     return _forward(q, k, v, block)[0]
 
@@ -122,57 +146,63 @@ def _blockwise_backward(
     q, k, v, lse = saved
     b, t, h, d = q.shape
     f32 = jnp.float32
+    n = t // size
 
-    def probs(i: jax.Array, j: jax.Array) -> jax.Array:
-        s = _scores(_block(q, i, size), _block(k, j, size), i, j, size)
-        return jnp.exp(s - _block(lse, i, size, axis=2)[..., None])
+    def probs(
+        qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, head: jax.Array
+    ) -> jax.Array:
+        s = _scores(qi, kj, i, j, size)
+        return jnp.exp(s - _row(lse, i, head, size)[..., None])
 
-    def query_pass(i: jax.Array) -> tuple[jax.Array, jax.Array]:
-        gi = _block(g, i, size)
+    def query_pass(at: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        dq, delta = carry
+        head, i = at // n, at % n
+        qi, gi = _block(q, i, head, size), _block(g, i, head, size)
 
         def out_step(j: jax.Array, acc: jax.Array) -> jax.Array:
-            pv = jnp.einsum("bhqk,bkhd->bqhd", probs(i, j).astype(v.dtype), _block(v, j, size),
-                            preferred_element_type=f32)  # fmt: skip
-            return acc + pv
-
-        out = lax.fori_loop(0, i + 1, out_step, jnp.zeros((b, size, h, d), f32))
-        di = jnp.einsum("bqhd,bqhd->bhq", gi.astype(f32), out)  # rowsum(dO * O)
-
-        def dq_step(j: jax.Array, acc: jax.Array) -> jax.Array:
-            dp = jnp.einsum("bqhd,bkhd->bhqk", gi, _block(v, j, size), preferred_element_type=f32)
-            ds = probs(i, j) * (dp - di[..., None])
-            return acc + jnp.einsum("bhqk,bkhd->bqhd", ds.astype(k.dtype), _block(k, j, size),
+            p = probs(qi, _block(k, j, head, size), i, j, head)
+            return acc + jnp.einsum("bqk,bkd->bqd", p.astype(v.dtype), _block(v, j, head, size),
                                     preferred_element_type=f32)  # fmt: skip
 
-        dqi = lax.fori_loop(0, i + 1, dq_step, jnp.zeros((b, size, h, d), f32)) * d**-0.5
-        return dqi.astype(q.dtype), di
+        out = lax.fori_loop(0, i + 1, out_step, jnp.zeros((b, size, d), f32))
+        di = jnp.einsum("bqd,bqd->bq", gi.astype(f32), out)  # rowsum(dO * O)
 
-    n = t // size
-    dq, delta = lax.map(query_pass, jnp.arange(n))  # stacked over the blocks
-    dq = jnp.moveaxis(dq, 0, 1).reshape(q.shape)
-    delta = jnp.moveaxis(delta, 0, 2).reshape(b, h, t)
+        def dq_step(j: jax.Array, acc: jax.Array) -> jax.Array:
+            kj, vj = _block(k, j, head, size), _block(v, j, head, size)
+            dp = jnp.einsum("bqd,bkd->bqk", gi, vj, preferred_element_type=f32)
+            ds = probs(qi, kj, i, j, head) * (dp - di[..., None])
+            return acc + jnp.einsum("bqk,bkd->bqd", ds.astype(k.dtype), kj,
+                                    preferred_element_type=f32)  # fmt: skip
 
-    def key_pass(j: jax.Array) -> tuple[jax.Array, jax.Array]:
-        vj = _block(v, j, size)
+        dqi = lax.fori_loop(0, i + 1, dq_step, jnp.zeros((b, size, d), f32))
+        return _put(dq, dqi * d**-0.5, i, head, size), _put_row(delta, di, i, head, size)
+
+    init = (jnp.zeros_like(q), jnp.zeros((b, h, t), f32))
+    dq, delta = lax.fori_loop(0, h * n, query_pass, init)
+
+    def key_pass(at: jax.Array, grads: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        dk, dv = grads
+        head, j = at // n, at % n
+        kj, vj = _block(k, j, head, size), _block(v, j, head, size)
 
         def step(i: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             dkj, dvj = acc
-            qi, gi = _block(q, i, size), _block(g, i, size)
-            p = probs(i, j)
-            dp = jnp.einsum("bqhd,bkhd->bhqk", gi, vj, preferred_element_type=f32)
-            ds = p * (dp - _block(delta, i, size, axis=2)[..., None])
-            dvj = dvj + jnp.einsum("bhqk,bqhd->bkhd", p.astype(g.dtype), gi,
+            qi, gi = _block(q, i, head, size), _block(g, i, head, size)
+            p = probs(qi, kj, i, j, head)
+            dp = jnp.einsum("bqd,bkd->bqk", gi, vj, preferred_element_type=f32)
+            ds = p * (dp - _row(delta, i, head, size)[..., None])
+            dvj = dvj + jnp.einsum("bqk,bqd->bkd", p.astype(g.dtype), gi,
                                    preferred_element_type=f32)  # fmt: skip
-            dkj = dkj + jnp.einsum("bhqk,bqhd->bkhd", ds.astype(q.dtype), qi,
+            dkj = dkj + jnp.einsum("bqk,bqd->bkd", ds.astype(q.dtype), qi,
                                    preferred_element_type=f32)  # fmt: skip
             return dkj, dvj
 
-        zeros = jnp.zeros((b, size, h, d), f32)
+        zeros = jnp.zeros((b, size, d), f32)
         dkj, dvj = lax.fori_loop(j, n, step, (zeros, zeros))
-        return (dkj * d**-0.5).astype(k.dtype), dvj.astype(v.dtype)
+        return _put(dk, dkj * d**-0.5, j, head, size), _put(dv, dvj, j, head, size)
 
-    dk, dv = lax.map(key_pass, jnp.arange(n))
-    return dq, jnp.moveaxis(dk, 0, 1).reshape(k.shape), jnp.moveaxis(dv, 0, 1).reshape(v.shape)
+    dk, dv = lax.fori_loop(0, h * n, key_pass, (jnp.zeros_like(k), jnp.zeros_like(v)))
+    return dq, dk, dv
 
 
 attention_blockwise.defvjp(_blockwise_forward, _blockwise_backward)
