@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from .._program import Finding, Program
 from . import (
+    attention_scores,
     closure_constant,
     donation,
     frozen_params,
@@ -37,6 +38,7 @@ DETECTORS: tuple[Detector, ...] = (
     frozen_params.detect,
     vocab_logits.detect,
     prng_bits.detect,
+    attention_scores.detect,
 )
 
 __all__ = ["DETECTORS", "Detector"]
