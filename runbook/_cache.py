@@ -25,7 +25,14 @@ from ._targets import own_env
 PACKAGE = pathlib.Path(__file__).resolve().parent
 ENV_VAR = "RUNBOOK_CACHE_DIR"
 _ENV_PREFIXES = ("XLA_", "JAX_", "TPU_", "CUDA_VISIBLE_DEVICES")
-_DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "nvidia-cuda-nvcc-cu12")
+_DISTRIBUTIONS = (
+    "jax",
+    "jaxlib",
+    "jax-cuda12-plugin",
+    "libtpu",
+    "nvidia-cuda-nvcc-cu12",
+    "nvidia-cudnn-cu12",
+)
 
 
 def directory() -> pathlib.Path | None:

@@ -31,6 +31,7 @@ _CASES = {
     "donation": "runbook.cases.donation",
     "prng-temporaries": "runbook.cases.prng_temporaries",
     "inplace-copy": "runbook.cases.inplace_copy",
+    "attention-scores": "runbook.cases.attention_scores",
 }
 
 
@@ -246,6 +247,7 @@ def _measure_variants(
         options = case.options() if target is None else {}
     reports: list[MemoryReport] = []
     skipped: list[dict[str, Any]] = []
+    platform = target.platform if target is not None else jax.default_backend()
     for variant in case.variants:
         if variants and variant.name not in variants:
             continue
@@ -257,6 +259,10 @@ def _measure_variants(
                 skipped.append(
                     {**where, "status": "not applicable", "reason": f"needs {variant.since}"}
                 )
+                continue
+            reason = variant.unavailable(platform) if variant.unavailable else None
+            if reason:
+                skipped.append({**where, "status": "not applicable", "reason": reason})
                 continue
             # Reading the buffers back adds a few percent to a compile; storing them always
             # lets one compile answer both kinds of request (a page asks for both).
@@ -379,6 +385,8 @@ def _verify_json(name: str, scale: str) -> list[dict[str, Any]]:
         expected = pick(run_variant(case, reproduction, scale, params))
         for v in case.variants:
             if v.role != "fix" or not case.available(v):
+                continue
+            if v.unavailable is not None and v.unavailable(jax.default_backend()):
                 continue
             got = pick(run_variant(case, v, scale, params))
             diffs = jax.tree_util.tree_map(

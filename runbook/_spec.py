@@ -31,6 +31,10 @@ class Variant:
     program: Callable[[Params], Callable[..., Any]]
     since: str = ""  # a JAX API this variant needs, e.g. "jax.shard_map"
     args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]] | None = None
+    # Why this variant cannot be compiled for a platform ("cpu", "cuda", "tpu") on this
+    # machine, in a sentence; None: it can. For programs only some compilers can build
+    # (cuDNN's kernels): measured elsewhere as "not applicable", with the reason.
+    unavailable: Callable[[str], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

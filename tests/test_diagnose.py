@@ -25,6 +25,7 @@ from runbook._cli import main
 from runbook._diagnose import case_diagnosis_table, diagnose_case
 from runbook._subprocess import child_env
 from runbook._targets import unavailable
+from runbook.cases import attention_scores as attn
 from runbook.detectors import DETECTORS
 from runbook.site import scan_residuals
 
@@ -407,6 +408,65 @@ def test_vocab_logits():
     assert not runbook.diagnose(jax.value_and_grad(lm_loss_chunked), *LM).findings
 
 
+def heads_first(q, k, v):
+    """softmax(q k^T / sqrt(d)) v written out, (batch, heads, tokens, dim), no mask."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def multi_query(q, k, v):
+    """Every head of q against one shared k and v, (batch, tokens, dim)."""
+    s = jnp.einsum("bqhd,bkd->bhqk", q, k)
+    return jnp.einsum("bhqk,bkd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def attention_block(params, x):
+    """A small attention layer, its weights a pytree: projections, jax.nn attention, output."""
+    b, t, c = x.shape
+    q, k, v = ((x @ params[n]).reshape(b, t, 4, c // 4) for n in ("wq", "wk", "wv"))
+    out = jax.nn.dot_product_attention(q, k, v)
+    return jnp.sum((out.reshape(b, t, c) @ params["wo"]) ** 2)
+
+
+ATTENTION_BLOCK = (
+    {n: S((256, 256), f32) for n in ("wq", "wk", "wv", "wo")},
+    S((2, 2048, 256), f32),
+)
+
+
+def test_attention_scores():
+    def grad_of(attend):
+        return jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2))
+
+    heads = (S((2, 4, 2048, 64), f32),) * 3
+    mqa = (S((1, 2048, 8, 64), f32), S((1, 2048, 64), f32), S((1, 2048, 64), f32))
+    for fn, args in [
+        (grad_of(heads_first), heads),
+        (heads_first, tuple(S(a.shape, jnp.bfloat16) for a in heads)),  # the forward alone
+        (grad_of(multi_query), mqa),
+        (jax.grad(attention_block), ATTENTION_BLOCK),
+    ]:
+        d = runbook.diagnose(fn, *args, measure_fixes=False)
+        (f,) = named(d, "attention-scores")
+        assert f.bytes >= 0.25 * d.report.total, str(d)
+        assert f.bytes >= 2048 * 2048 * 4  # one float32 score matrix at least
+        assert all(b.shape.count("2048") >= 2 for b in f.evidence), str(d)  # T x T
+        assert f.copy == "runbook.cases.attention_scores.attention_blockwise"
+    # Clean programs: a large square product, an MLP's gradient, a softmax of a square
+    # product no larger than its inputs, and the case's fixes at the seed scale.
+    square = (S((4096, 4096), f32),) * 2
+    seed = (S((1, 8192, 8, 64), jnp.bfloat16),) * 4
+    for fn, args in [
+        (lambda a, b: a @ b, square),
+        (jax.grad(mlp_loss), (mlp_inputs()[0], *mlp_inputs()[2:])),
+        (lambda a, b: jax.nn.softmax(a @ b), square),
+        (attn.attention_backward(attn.attention_blockwise), seed),
+        (attn.attention_backward(attn.attention_chunked), seed),
+    ]:
+        d = runbook.diagnose(fn, *args, measure_fixes=False)
+        assert not named(d, "attention-scores"), str(d)
+
+
 def test_every_finding_names_a_registered_case_with_its_link_and_code():
     programs = [
         (jax.grad(gather_loss), (S((256, 256), f32), S((2**22, 2), jnp.int16))),
@@ -419,6 +479,7 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
         (jax.value_and_grad(lm_loss), LM),
         (lambda k: jax.random.uniform(k, (4096, 4096)), (jax.eval_shape(jax.random.key, 0),)),
         (jax.jit(lambda b: (b.at[0].set(1.0), b.sum()), donate_argnums=0), (S((4096, 4096), f32),)),
+        (jax.grad(attention_block), ATTENTION_BLOCK),
     ]
     seen = set()
     for fn, args in programs:
@@ -429,7 +490,7 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
             assert f.link in f.fix
             assert f.copy is None or f.copy in f.fix
     assert seen == set(runbook.case_names())
-    assert len(DETECTORS) == 11
+    assert len(DETECTORS) == 12
 
 
 def test_detector_table_states_each_rule():

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from .._program import Finding, Program
 from . import (
+    attention_scores,
     closure_constant,
     donation,
     frozen_params,
@@ -39,6 +40,7 @@ DETECTORS: tuple[Detector, ...] = (
     vocab_logits.detect,
     prng_bits.detect,
     inplace_copy.detect,
+    attention_scores.detect,
 )
 
 __all__ = ["DETECTORS", "Detector"]

@@ -1,0 +1,329 @@
+"""`attention-scores`: attention materialises the (T x T) score matrix, and its gradient keeps it.
+
+``softmax(q k^T) v`` over T tokens makes a ``T x T`` score matrix per head; its gradient
+needs the probabilities again, so XLA keeps them (or their gradients) alive at the full
+size: memory quadratic in the sequence. Reports: jax-ml/jax PR #20145, google/flax#2858,
+and many diffusers / big_vision reports. The functions below are the reproduction and its
+fixes; copy the one you need. Inputs are ``(batch, tokens, heads, head_dim)``, the layout
+of `jax.nn.dot_product_attention`; every function here is causal.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._spec import Case, Params, Variant
+
+BLOCK = 128  # tokens per block of `attention_blockwise` (queries and keys alike)
+CHUNK = 512  # queries per chunk of `attention_chunked`
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The reproduction: JAX's own attention, XLA's implementation (the default off GPU)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def attention_cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The GPU fix: cuDNN's fused (flash) attention; compiles for NVIDIA GPUs only."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = CHUNK) -> jax.Array:
+    """Queries in chunks, each under `jax.checkpoint` (Rabe & Staats, arXiv 2112.05682).
+
+    `jax.lax.map` runs the chunks one after another; each makes ``chunk x T`` scores,
+    and `jax.checkpoint` makes the gradient compute them again instead of keeping them.
+    The tokens must divide into chunks.
+    """
+    b, t, h, d = q.shape
+    cols = jnp.arange(t)
+
+    def rows(start: jax.Array) -> jax.Array:
+        qc = lax.dynamic_slice_in_dim(q, start, chunk, axis=1)
+        s = jnp.einsum("bqhd,bkhd->bhqk", qc, k, preferred_element_type=jnp.float32)
+        causal = cols[None, :] <= (start + jnp.arange(chunk))[:, None]
+        p = jax.nn.softmax(jnp.where(causal, s * d**-0.5, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
+
+    out = lax.map(jax.checkpoint(rows), jnp.arange(0, t, chunk))  # (t // chunk, b, chunk, h, d)
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, h, d)
+
+
+def _block(x: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
+    """Block `i` (of `size` tokens) of one head of `x` ``(b, t, h, d)``: ``(b, size, d)``.
+
+    One head at a time: its rows are contiguous, so a compiler multiplies the block as it
+    lies instead of transposing the whole of `x` into a heads-major copy first.
+    """
+    b, _, _, d = x.shape
+    return lax.dynamic_slice(x, (0, i * size, head, 0), (b, size, 1, d))[:, :, 0]
+
+
+def _put(x: jax.Array, block: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
+    """`x` with block `i` of one head replaced by `block` ``(b, size, d)``, in place."""
+    return lax.dynamic_update_slice(x, block[:, :, None].astype(x.dtype), (0, i * size, head, 0))
+
+
+def _row(x: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
+    """Block `i` of one head of a per-row statistic ``(b, h, t)``: ``(b, size)``."""
+    return lax.dynamic_slice(x, (0, head, i * size), (x.shape[0], 1, size))[:, 0]
+
+
+def _put_row(x: jax.Array, row: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
+    return lax.dynamic_update_slice(x, row[:, None].astype(x.dtype), (0, head, i * size))
+
+
+def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, size: int) -> jax.Array:
+    """Block (i, j) of one head's scaled, causally masked scores, float32 ``(b, size, size)``."""
+    s = jnp.einsum("bqd,bkd->bqk", qi, kj, preferred_element_type=jnp.float32)
+    rows, cols = i * size + jnp.arange(size), j * size + jnp.arange(size)
+    return jnp.where(cols[None, :] <= rows[:, None], s * qi.shape[-1] ** -0.5, -jnp.inf)
+
+
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """The output and each row's log-sum-exp ``(b, h, t)``: for each head and block of
+    queries, the blocks of keys at or before it (an online softmax), written in place."""
+    b, t, h, d = q.shape
+    n = t // size
+
+    def rows(at: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        out, lse = carry
+        head, i = at // n, at % n
+        qi = _block(q, i, head, size)
+
+        def step(j: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            m, total, pv = acc
+            s = _scores(qi, _block(k, j, head, size), i, j, size)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            fade = jnp.exp(m - m_new)
+            pv_j = jnp.einsum("bqk,bkd->bqd", p.astype(v.dtype), _block(v, j, head, size),
+                              preferred_element_type=jnp.float32)  # fmt: skip
+            return m_new, total * fade + p.sum(-1), pv * fade[..., None] + pv_j
+
+        init = (jnp.full((b, size), -jnp.inf), jnp.zeros((b, size)), jnp.zeros((b, size, d)))
+        m, total, pv = lax.fori_loop(0, i + 1, step, init)
+        out = _put(out, pv / total[..., None], i, head, size)
+        return out, _put_row(lse, m + jnp.log(total), i, head, size)
+
+    init = (jnp.zeros_like(q), jnp.zeros((b, h, t), jnp.float32))
+    out, lse = lax.fori_loop(0, h * n, rows, init)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK) -> jax.Array:
+    """The fix for every target: blocks of queries and keys, with its own gradient.
+
+    The forward pass keeps each row's log-sum-exp, not the scores. The gradient
+    (`_blockwise_backward`) recomputes each ``block x block`` score block of one head
+    where it needs it: one pass over the query blocks gives the gradient of `q`, another
+    over the key blocks those of `k` and `v`, each summed per block in float32 and written
+    in place into arrays of the inputs' layout. Nothing of size ``T x T`` exists, nor a
+    transposed copy of an input; the tokens must divide into blocks.
+    """
+    return _forward(q, k, v, block)[0]
+
+
+def _blockwise_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    out, lse = _forward(q, k, v, block)
+    return out, (q, k, v, lse)
+
+
+def _blockwise_backward(
+    size: int, saved: tuple[jax.Array, ...], g: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q, k, v, lse = saved
+    b, t, h, d = q.shape
+    f32 = jnp.float32
+    n = t // size
+
+    def probs(
+        qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, head: jax.Array
+    ) -> jax.Array:
+        s = _scores(qi, kj, i, j, size)
+        return jnp.exp(s - _row(lse, i, head, size)[..., None])
+
+    def query_pass(at: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        dq, delta = carry
+        head, i = at // n, at % n
+        qi, gi = _block(q, i, head, size), _block(g, i, head, size)
+
+        def out_step(j: jax.Array, acc: jax.Array) -> jax.Array:
+            p = probs(qi, _block(k, j, head, size), i, j, head)
+            return acc + jnp.einsum("bqk,bkd->bqd", p.astype(v.dtype), _block(v, j, head, size),
+                                    preferred_element_type=f32)  # fmt: skip
+
+        out = lax.fori_loop(0, i + 1, out_step, jnp.zeros((b, size, d), f32))
+        di = jnp.einsum("bqd,bqd->bq", gi.astype(f32), out)  # rowsum(dO * O)
+
+        def dq_step(j: jax.Array, acc: jax.Array) -> jax.Array:
+            kj, vj = _block(k, j, head, size), _block(v, j, head, size)
+            dp = jnp.einsum("bqd,bkd->bqk", gi, vj, preferred_element_type=f32)
+            ds = probs(qi, kj, i, j, head) * (dp - di[..., None])
+            return acc + jnp.einsum("bqk,bkd->bqd", ds.astype(k.dtype), kj,
+                                    preferred_element_type=f32)  # fmt: skip
+
+        dqi = lax.fori_loop(0, i + 1, dq_step, jnp.zeros((b, size, d), f32))
+        return _put(dq, dqi * d**-0.5, i, head, size), _put_row(delta, di, i, head, size)
+
+    init = (jnp.zeros_like(q), jnp.zeros((b, h, t), f32))
+    dq, delta = lax.fori_loop(0, h * n, query_pass, init)
+
+    def key_pass(at: jax.Array, grads: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        dk, dv = grads
+        head, j = at // n, at % n
+        kj, vj = _block(k, j, head, size), _block(v, j, head, size)
+
+        def step(i: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            dkj, dvj = acc
+            qi, gi = _block(q, i, head, size), _block(g, i, head, size)
+            p = probs(qi, kj, i, j, head)
+            dp = jnp.einsum("bqd,bkd->bqk", gi, vj, preferred_element_type=f32)
+            ds = p * (dp - _row(delta, i, head, size)[..., None])
+            dvj = dvj + jnp.einsum("bqk,bqd->bkd", p.astype(g.dtype), gi,
+                                   preferred_element_type=f32)  # fmt: skip
+            dkj = dkj + jnp.einsum("bqk,bqd->bkd", ds.astype(q.dtype), qi,
+                                   preferred_element_type=f32)  # fmt: skip
+            return dkj, dvj
+
+        zeros = jnp.zeros((b, size, d), f32)
+        dkj, dvj = lax.fori_loop(j, n, step, (zeros, zeros))
+        return _put(dk, dkj * d**-0.5, j, head, size), _put(dv, dvj, j, head, size)
+
+    dk, dv = lax.fori_loop(0, h * n, key_pass, (jnp.zeros_like(k), jnp.zeros_like(v)))
+    return dq, dk, dv
+
+
+attention_blockwise.defvjp(_blockwise_forward, _blockwise_backward)
+
+
+def attention_backward(
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """The backward pass of `attend`: ``(q, k, v, d_out)`` to the gradients of q, k, v.
+
+    `d_out`, the gradient of the loss with respect to the attention's output, is what the
+    layers above hand down in a model.
+    """
+
+    def backward(
+        q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        grads: tuple[jax.Array, jax.Array, jax.Array] = jax.vjp(attend, q, k, v)[1](d_out)
+        return grads
+
+    return backward
+
+
+def attention_gradient(
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """The gradient of ``sum(attend(q, k, v))`` with respect to q, k and v (the program
+    the reports measure: its output's gradient is a constant)."""
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jnp.sum(attend(q, k, v).astype(jnp.float32))
+
+    grad: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    return grad
+
+
+def _shape(scale: Mapping[str, Any], params: Params) -> tuple[int, int, int, int]:
+    return (scale["batch"], params["tokens"], scale["heads"], scale["dim"])
+
+
+def _args(scale: Mapping[str, Any], params: Params, concrete: bool) -> tuple[Any, ...]:
+    shape = _shape(scale, params)
+    if not concrete:
+        return tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for _ in range(4))
+    rng = np.random.default_rng(0)
+    return tuple(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4))
+
+
+def floor_bytes(scale: Mapping[str, Any], params: Params) -> int:
+    """What the backward pass must hold at the least: its inputs q, k, v and d_out, and its
+    outputs, the three gradients: seven bf16 arrays of the inputs' shape."""
+    b, t, h, d = _shape(scale, params)
+    return 7 * b * t * h * d * 2
+
+
+def _floor(variant: Variant, scale: Mapping[str, Any], params: Params) -> int:
+    return floor_bytes(scale, params)
+
+
+def cudnn_unavailable(platform: str) -> str | None:
+    """Why `attention_cudnn` cannot compile for `platform` here; None when it can."""
+    if platform not in ("cuda", "gpu"):
+        return f"cuDNN attention compiles for NVIDIA GPUs only, not {platform.upper()}"
+    if importlib.util.find_spec("nvidia.cudnn") is None:
+        return "cuDNN not found: install nvidia-cudnn-cu12"
+    return None
+
+
+def _gradient_of(
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> Callable[[Params], Callable[..., Any]]:
+    return lambda p: jax.jit(attention_backward(attend))
+
+
+CASE = Case(
+    name="attention-scores",
+    title="Attention materialises the T x T score matrix, and its gradient keeps it",
+    symptom="the gradient of an attention layer runs out of memory as the sequence grows, "
+    "quadratically in its length",
+    devices=1,
+    scales={
+        "seed": {"batch": 1, "heads": 8, "dim": 64, "tokens": (8192,)},
+        "small": {"batch": 1, "heads": 2, "dim": 16, "tokens": (1024,)},
+        "tiny": {"batch": 1, "heads": 2, "dim": 8, "tokens": (512,)},
+    },
+    variants=(
+        Variant(
+            "xla",
+            "reproduction",
+            'jax.nn.dot_product_attention(implementation="xla"), causal',
+            _gradient_of(attention),
+            since="jax.nn.dot_product_attention(implementation=)",
+        ),
+        Variant(
+            "chunked",
+            "fix",
+            f"queries in chunks of {CHUNK} under jax.checkpoint (attention_chunked)",
+            _gradient_of(attention_chunked),
+        ),
+        Variant(
+            "cudnn",
+            "fix",
+            'jax.nn.dot_product_attention(implementation="cudnn"), NVIDIA GPUs only',
+            _gradient_of(attention_cudnn),
+            since="jax.nn.dot_product_attention(implementation=)",
+            unavailable=cudnn_unavailable,
+        ),
+        Variant(
+            "blockwise",
+            "fix",
+            f"recommended: blocks of {BLOCK} queries and keys, with its own gradient "
+            "(attention_blockwise)",
+            _gradient_of(attention_blockwise),
+        ),
+    ),
+    args=_args,
+    grid=lambda s: [{"tokens": t} for t in s["tokens"]],
+    floor=_floor,
+    tolerance=0.05,
+    runnable_scale="small",
+    cause="the gradient keeps the T x T probabilities (or their gradient) of every head alive",
+    recommended="blockwise",
+)

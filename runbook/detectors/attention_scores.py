@@ -1,0 +1,104 @@
+"""`attention-scores`: attention's T x T score matrix materialised, and kept for the gradient.
+
+Attention compares every token with every other: ``q k^T`` is a ``T x T`` matrix per head,
+its softmax another, and the gradient needs them again. Where the compiled program holds
+arrays with two axes of the sequence's length, larger than any input, around an
+exponential of that shape, the memory grows with the square of the length. Computing the
+attention in blocks with its own gradient (or a fused kernel) holds one block at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._hlo import Shape
+from .._program import Finding, Program, finding
+from .._render import fmt_bytes
+
+MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
+MIN_TOKENS = 256  # a shorter sequence's scores are small whatever the program does
+MAX_EVIDENCE = 6
+PATTERN = "T x T attention scores"
+CASE = "attention-scores"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        f"arrays with two axes of length T (an axis of an input, at least {MIN_TOKENS}), more "
+        "elements than any input, in a program that exponentiates arrays of that shape and "
+        "makes at least T x T elements with T among their axes by a product (a dot); "
+        f"reported at {MIN_SHARE:.0%} of the program's total live at once"
+    )
+
+
+def _square(dims: tuple[int, ...], tokens: int) -> bool:
+    return dims.count(tokens) >= 2
+
+
+def _lengths(program: Program) -> dict[int, int]:
+    """Each candidate length T (an axis of an input) -> the most elements of an input."""
+    largest = max((math.prod(p.shape.dims) for p in program.parameters if p.shape.dims), default=0)
+    axes = {d for p in program.parameters for d in p.shape.dims if d >= MIN_TOKENS}
+    return dict.fromkeys(axes, largest)
+
+
+def _scored(program: Program, tokens: int) -> bool:
+    """True when a product makes T x T elements (other axes may be merged into T's) and
+    the program exponentiates T x T arrays: scores and their softmax."""
+    product = exponential = False
+    for inst in program.module.instructions.values():
+        dims = inst.shape.dims
+        if tokens not in dims or math.prod(dims) < tokens * tokens:
+            continue
+        if inst.opcode == "exponential" and _square(dims, tokens):
+            exponential = True
+        # A product may print the scores with other axes merged into T's: (b, h * T, T).
+        elif inst.opcode == "dot" or (
+            inst.opcode == "custom-call" and any(k in inst.attributes for k in ("gemm", "matmul"))
+        ):
+            product = True
+        if product and exponential:
+            return True
+    return False
+
+
+def detect(program: Program) -> list[Finding]:
+    out = []
+    taken: set[tuple[str, str]] = set()
+    for tokens, largest in sorted(_lengths(program).items(), reverse=True):
+        if not _scored(program, tokens):
+            continue
+        chosen = []
+        for v in program.values:
+            dims = Shape(v.shape).dims
+            found = program.module.get(v.instruction)
+            if (
+                v.kind in ("temp", "output")
+                and found is not None
+                and (v.instruction, v.index) not in taken
+                and _square(dims, tokens)
+                and math.prod(dims) > largest
+            ):
+                chosen.append((v, found))
+        taken |= {(v.instruction, v.index) for v, _ in chosen}
+        nbytes = program.peak(v for v, _ in chosen)
+        if not chosen or nbytes < MIN_SHARE * program.total:
+            continue
+        evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
+        out.append(
+            finding(
+                PATTERN,
+                CASE,
+                nbytes,
+                evidence[:MAX_EVIDENCE],
+                "Compute the attention in blocks of queries and keys with its own gradient, "
+                "keeping each row's log-sum-exp instead of the scores (or use a fused "
+                "attention kernel, cuDNN's on an NVIDIA GPU)",
+                copy="runbook.cases.attention_scores.attention_blockwise",
+                detail=f"{len(chosen)} arrays with two axes of {tokens:,} tokens, larger than "
+                f"any input, {fmt_bytes(nbytes)} live at once, around a product and an "
+                "exponential of that shape.",
+            )
+        )
+    return out
