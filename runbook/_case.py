@@ -30,6 +30,7 @@ _CASES = {
     "closure-constant": "runbook.cases.closure_constant",
     "donation": "runbook.cases.donation",
     "prng-temporaries": "runbook.cases.prng_temporaries",
+    "sharding-replicated": "runbook.cases.sharding_replicated",
 }
 
 
