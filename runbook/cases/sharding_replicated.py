@@ -229,12 +229,19 @@ def state_bytes(scale: Mapping[str, Any]) -> int:
 
 
 def floor_bytes(variant_name: str, scale: Mapping[str, Any]) -> int:
-    """Per device, what a step must hold at the least: its share of the state and batch,
-    and one layer whole (its gathered weights, or its gradient before the update)."""
+    """Per device, what a step must hold at the least.
+
+    Its share of the state (parameters and Adam's moments) and of the batch, and one layer
+    whole (its gathered weights, or its gradient before the update). A scanned step also
+    holds its share of every layer's gradient at once: the backward scan returns them
+    stacked, and the update reads them after it. (Unrolled, each layer's update may run as
+    soon as its gradient exists.)
+    """
     share = 1 if variant_name in _REPLICATED else DEVICES
     batch = 2 * scale["batch"] * scale["width"] * 4 // DEVICES
     layer = scale["width"] ** 2 * 4
-    return state_bytes(scale) // share + batch + layer
+    gradients = state_bytes(scale) // 3 // share if variant_name in _SCANNED else 0
+    return state_bytes(scale) // share + batch + layer + gradients
 
 
 def _floor(variant: Variant, scale: Mapping[str, Any], params: Params) -> int:
@@ -247,7 +254,8 @@ def _as_stacked(result: Any) -> Any:
     return np.stack(params) if isinstance(params, list) else np.asarray(params), np.asarray(loss)
 
 
-_REPLICATED = {"replicated", "replicated-scan"}
+_REPLICATED = {"replicated"}
+_SCANNED = {"fsdp-scan"}
 
 CASE = Case(
     name="sharding-replicated",

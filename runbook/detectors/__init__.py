@@ -18,6 +18,7 @@ from . import (
     gather_index,
     prng_bits,
     replicated_inputs,
+    replicated_state,
     scan_residuals,
     unrolled_loop,
     vmap_batch,
@@ -37,6 +38,7 @@ DETECTORS: tuple[Detector, ...] = (
     frozen_params.detect,
     vocab_logits.detect,
     prng_bits.detect,
+    replicated_state.detect,
 )
 
 __all__ = ["DETECTORS", "Detector"]
