@@ -428,7 +428,7 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
             assert f.link in f.fix
             assert f.copy is None or f.copy in f.fix
     assert seen == set(runbook.case_names())
-    assert len(DETECTORS) == 10
+    assert len(DETECTORS) == 11
 
 
 def test_detector_table_states_each_rule():
