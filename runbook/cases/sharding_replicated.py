@@ -201,10 +201,11 @@ def _args(place: Callable[[Mesh, Any], Any], stacked: bool) -> Callable[..., tup
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data),
                 jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=data),
             )
-        layers, opt_state = init(jax.random.key(0), scale["layers"], scale["width"])
+        listed, opt_state = init(jax.random.key(0), scale["layers"], scale["width"])
+        layers: Any = listed
         if stacked:
-            stack = jnp.stack(layers)
-            layers, opt_state = stack, optimizer().init(stack)
+            layers = jnp.stack(listed)
+            opt_state = optimizer().init(layers)
         state = jax.device_put((layers, opt_state), shardings)
         return (*state, jax.device_put(x, data), jax.device_put(y, data))
 
@@ -225,7 +226,8 @@ def _program(
 
 def state_bytes(scale: Mapping[str, Any]) -> int:
     """Parameters and Adam's two moments, whole: three times the parameters."""
-    return 3 * scale["layers"] * scale["width"] ** 2 * 4
+    nbytes: int = 3 * scale["layers"] * scale["width"] ** 2 * 4
+    return nbytes
 
 
 def floor_bytes(variant_name: str, scale: Mapping[str, Any]) -> int:
@@ -238,8 +240,8 @@ def floor_bytes(variant_name: str, scale: Mapping[str, Any]) -> int:
     soon as its gradient exists.)
     """
     share = 1 if variant_name in _REPLICATED else DEVICES
-    batch = 2 * scale["batch"] * scale["width"] * 4 // DEVICES
-    layer = scale["width"] ** 2 * 4
+    batch: int = 2 * scale["batch"] * scale["width"] * 4 // DEVICES
+    layer: int = scale["width"] ** 2 * 4
     gradients = state_bytes(scale) // 3 // share if variant_name in _SCANNED else 0
     return state_bytes(scale) // share + batch + layer + gradients
 

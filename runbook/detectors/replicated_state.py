@@ -50,8 +50,7 @@ def _gathers(program: Program) -> list[Instruction]:
     return [
         inst
         for inst in program.module.instructions.values()
-        if inst.opcode.startswith("all-gather")
-        and not program.in_loop(inst)
+        if inst.opcode.startswith("all-gather") and not program.in_loop(inst)
     ]
 
 

@@ -62,14 +62,17 @@ def _indivisible_json(concrete: bool) -> list[dict[str, Any]]:
 
         def make(rows: int = rows) -> jax.Array:
             x = jnp.arange(rows * COLUMNS, dtype=jnp.float32).reshape(rows, COLUMNS)
-            return jax.lax.with_sharding_constraint(x, sharding)
+            out: jax.Array = jax.lax.with_sharding_constraint(x, sharding)
+            return out
 
         compiled = jax.jit(make).lower().compile()
+        stats = compiled.memory_analysis()
+        assert stats is not None
         out = compiled.output_shardings
         one: dict[str, Any] = {
             "rows": rows,
             "whole": rows * COLUMNS * 4,
-            "output": int(compiled.memory_analysis().output_size_in_bytes),
+            "output": int(stats.output_size_in_bytes),
             "replicated": bool(out.is_fully_replicated),
             "spec": str(getattr(out, "spec", out)),
         }
