@@ -86,6 +86,7 @@ def _indivisible_json(concrete: bool) -> list[dict[str, Any]]:
     return found
 
 
+@functools.cache  # once per process: every target's claims read the same CPU figures
 def indivisible() -> list[dict[str, Any]]:
     """jax-ml/jax#26946 on this JAX, over `DEVICES` (forced) CPU devices: an axis they do not
     divide, then one they do: per device, the output's bytes, its sharding, and what
@@ -136,6 +137,7 @@ def _init_json(scale: str, target: str | None) -> dict[str, Any]:
     }
 
 
+@functools.cache
 def init_placement(scale: str = "issue") -> dict[str, Any]:
     """Creating the state: with `init` on one device (then a `device_put` would split it)
     against `jit(init, out_shardings=...)`, per device, compiled (nothing allocated)."""
