@@ -23,6 +23,7 @@ MIN_SHARE = 0.25  # of the program's total, for either sign
 MAX_EVIDENCE = 6
 STATE = "training state replicated on every device"
 GATHERED = "every layer's gathered weights alive at once"
+PATTERN = f"{STATE}, or {GATHERED}"
 CASE = "sharding-replicated"
 
 
