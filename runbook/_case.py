@@ -195,7 +195,9 @@ def measure_case(
         case.variant(v)
     # Options other than the case's own are a trial, and some options crash XLA's compiler:
     # those compile in a child, whose crash the caller gets as `_subprocess.ChildCrashed`.
-    if t is None and (compiler_options is not None or _needs_child(case)):
+    if t is None and compiler_options is None and _needs_child(case):
+        return _in_child(case, scale, buffers, variants, at)
+    if t is None and compiler_options is not None:
         data = _subprocess.call(
             "runbook._case:_measure_json",
             devices=case.devices,
@@ -204,10 +206,54 @@ def measure_case(
             buffers=buffers,
             variants=list(variants) if variants else None,
             at=dict(at) if at else None,
-            compiler_options=None if compiler_options is None else dict(compiler_options),
+            compiler_options=dict(compiler_options),
         )
         return CaseResult.from_json(data["result"], data["buffers"])
     return _measure_here(case, scale, t, buffers, variants, at, compiler_options, progress)
+
+
+def _in_child(
+    case: Case,
+    scale: str,
+    buffers: bool,
+    variants: Sequence[str] | None,
+    at: Mapping[str, Any] | None,
+) -> CaseResult:
+    """A multi-device case measured in a child with forced host devices.
+
+    The child's whole answer is cached (with its buffers, under a request that a filter
+    selecting everything does not change), so that a page asking again, with or without
+    buffers, at the worst point it already measured, starts no second child.
+    """
+    size = case.scales[scale]
+    points = case.grid(size)
+    if at and all(all(p.get(k) == v for k, v in at.items()) for p in points):
+        at = None  # every grid point: the same programs as no filter
+    if variants and set(variants) >= {v.name for v in case.variants}:
+        variants = None
+    request = {
+        "kind": "case-child", "case": case.name, "scale": scale,
+        "variants": sorted(variants) if variants else None, "at": dict(at) if at else None,
+    }  # fmt: skip
+    data = _cache.cached(
+        request,
+        lambda: _subprocess.call(
+            "runbook._case:_measure_json",
+            devices=case.devices,
+            name=case.name,
+            scale=scale,
+            buffers=True,
+            variants=request["variants"],
+            at=request["at"],
+            compiler_options=None,
+        ),
+        module=_CASES[case.name],
+    )
+    result = CaseResult.from_json(data["result"], data["buffers"])
+    if buffers:
+        return result
+    bare = tuple(dataclasses.replace(r, buffers=()) for r in result.reports)
+    return dataclasses.replace(result, reports=bare)
 
 
 def _measure_here(

@@ -266,7 +266,7 @@ CASE = Case(
     "the model's state would fit the devices together",
     devices=DEVICES,
     scales={
-        "seed": {"layers": 96, "width": 8192, "batch": 256},
+        "seed": {"layers": 48, "width": 11584, "batch": 256},
         "issue": {"layers": 16, "width": 8192, "batch": 256},
         "small": {"layers": 4, "width": 256, "batch": 64},
         "tiny": {"layers": 2, "width": 64, "batch": 16},
