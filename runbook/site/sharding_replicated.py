@@ -4,6 +4,8 @@ the claims. The reproduction and its fixes are in `runbook.cases.sharding_replic
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import functools
 from typing import Any
 
@@ -27,8 +29,8 @@ REPORTS = {
     "only be about half as large as what one device holds",
     "jax-ml/jax#16679": "creating a 6B-parameter model's Adam state with pjit and "
     "out_shardings runs out of memory where device_put of the same state does not",
-    "jax-ml/jax#18263, #19893": "a large model's parameters and optimizer state run out of "
-    "memory on each device although they would fit the devices together",
+    "jax-ml/jax#19893": "initializing one large random parameter inside jit with a sharded "
+    "output runs out of memory: sharding it does not help",
     "jax-ml/jax#26946": "a sharding constraint on an axis the mesh does not divide silently "
     "replicates the array instead of sharding it",
     "the issue commissioning this case (jax 0.10.2)": "16 layers of 8192x8192 with Adam on 8 "
@@ -86,14 +88,36 @@ def _indivisible_json(concrete: bool) -> list[dict[str, Any]]:
     return found
 
 
-@functools.cache  # once per process: every target's claims read the same CPU figures
+def _cpu_json() -> dict[str, Any]:
+    """Everything this page decides on `DEVICES` CPU devices, in one process: the case at
+    the issue's scale, #26946's placement, and where `init` puts the state."""
+    issue = measure_case(CASE.name, "issue", variants=["replicated", "fsdp"])
+    return {
+        "issue": issue.to_json(),
+        "indivisible": _indivisible_json(concrete=True),
+        "init": _init_json("issue", None),
+    }
+
+
+@functools.cache  # once per process, and across processes in the measurement cache
+def cpu_experiments() -> dict[str, Any]:
+    """`_cpu_json` over `DEVICES` CPU devices (forced in one child where this process has
+    fewer): every target's claims read the same CPU figures."""
+    request = {
+        "kind": "sharding-cpu", "rows": ODD_ROWS, "columns": COLUMNS, "devices": DEVICES,
+        "issue": dict(CASE.scale("issue")),
+    }  # fmt: skip
+    found: dict[str, Any] = _cache.cached(
+        request, functools.partial(_on_mesh, "_cpu_json"), module=__name__
+    )
+    return found
+
+
 def indivisible() -> list[dict[str, Any]]:
     """jax-ml/jax#26946 on this JAX, over `DEVICES` (forced) CPU devices: an axis they do not
     divide, then one they do: per device, the output's bytes, its sharding, and what
     `device_put` to the same sharding does."""
-    request = {"kind": "sharding-indivisible", "rows": ODD_ROWS, "devices": DEVICES}
-    compute = functools.partial(_on_mesh, "_indivisible_json", concrete=True)
-    found: list[dict[str, Any]] = _cache.cached(request, compute, module=__name__)
+    found: list[dict[str, Any]] = cpu_experiments()["indivisible"]
     return found
 
 
@@ -137,13 +161,11 @@ def _init_json(scale: str, target: str | None) -> dict[str, Any]:
     }
 
 
-@functools.cache
-def init_placement(scale: str = "issue") -> dict[str, Any]:
-    """Creating the state: with `init` on one device (then a `device_put` would split it)
-    against `jit(init, out_shardings=...)`, per device, compiled (nothing allocated)."""
-    request = {"kind": "sharding-init", "scale": scale, "devices": DEVICES}
-    compute = functools.partial(_on_mesh, "_init_json", scale=scale, target=None)
-    found: dict[str, Any] = _cache.cached(request, compute, module=__name__)
+def init_placement() -> dict[str, Any]:
+    """Creating the state at the issue's scale: with `init` on one device (then a
+    `device_put` would split it) against `jit(init, out_shardings=...)`, per device,
+    compiled on CPU devices (nothing allocated)."""
+    found: dict[str, Any] = cpu_experiments()["init"]
     return found
 
 
@@ -161,15 +183,33 @@ def init_table(found: dict[str, Any], scale: str = "issue", caption: str = "") -
     )
 
 
+def prefetch(targets: list[str], scale: str = "seed") -> list[concurrent.futures.Future[Any]]:
+    """Start compiling every variant for each of `targets`, in background threads.
+
+    The page's first cells wait on child processes for the CPU figures; the targets'
+    compiles (the slowest, one thread each) overlap with them, and the accelerator section
+    reads their results from the measurement cache. Wait on the futures before it.
+    """
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(targets)))
+    jobs = [
+        pool.submit(
+            contextvars.copy_context().run, measure_case, CASE.name, scale, target=t, buffers=True
+        )
+        for t in targets
+        if _targets.unavailable(t) is None
+    ]
+    pool.shutdown(wait=False)
+    return jobs
+
+
 def issue_scale() -> CaseResult:
-    """The case at the issue's own scale (16 layers), on this backend."""
-    return measure_case(CASE.name, "issue")
+    """The reproduction and the unscanned fix at the issue's own scale, on CPU devices."""
+    return CaseResult.from_json(cpu_experiments()["issue"])
 
 
 def reports_table(result: CaseResult) -> Table:
     issue = issue_scale()
     rep, fs = issue.one("replicated"), issue.one("fsdp")
-    seed_rep = result.one("replicated")
     init_found = init_placement()
     odd = indivisible()[0]
     ours = [
@@ -182,8 +222,10 @@ def reports_table(result: CaseResult) -> Table:
             " per device (#16679's state was a closure constant: see the closure-constant case)"
         ),
         (
-            f"{fmt_bytes(seed_rep.argument)} of arguments per device replicated at "
-            f"{CASE.scale(result.scale)['layers']} layers"
+            f"created sharded, per device: {fmt_bytes(init_found['sharded']['output'])} of state"
+            f" and {fmt_bytes(init_found['sharded']['temp'])} of temporaries, of "
+            f"{fmt_bytes(state_bytes(CASE.scale('issue')))} whole (random normal layers; "
+            "the random bits themselves: see the prng-temporaries case)"
         ),
         (
             f"{odd['rows']:,} rows over {DEVICES} devices: {fmt_bytes(odd['output'])} per device "
@@ -218,6 +260,7 @@ def claims(
     params = state_bytes(size) // 3
     odd, even = indivisible()
     made = init_placement()
+    whole = state_bytes(CASE.scale("issue"))
     return [
         Claim(
             "sharding-divides",
@@ -261,10 +304,20 @@ def claims(
             f"{fmt_bytes(even['output'])}. device_put of the odd one: {odd['device_put']}.",
         ),
         Claim(
+            "init-sharded-whole",
+            "Creating large random parameters inside jit with sharded outputs still needs "
+            "them whole on a device: sharding does not help (jax-ml/jax#19893).",
+            verdict(made["sharded"]["output"] + made["sharded"]["temp"] >= whole // 3),
+            f"decided on CPU at the issue's scale: jit(init, out_shardings=...) holds "
+            f"{fmt_bytes(made['sharded']['output'])} of state and "
+            f"{fmt_bytes(made['sharded']['temp'])} of temporaries per device, against "
+            f"{fmt_bytes(whole // 3)} for the parameters whole.",
+        ),
+        Claim(
             "init-one-device",
             "Creating the state on one device and then calling device_put needs the whole "
             "state on that device (jax-ml/jax#14075).",
-            verdict(made["one"]["output"] >= state_bytes(CASE.scale("issue"))),
+            verdict(made["one"]["output"] >= whole),
             f"decided on CPU at the issue's scale: init on one device outputs {fmt_bytes(made['one']['output'])}; "
             f"jit(init, out_shardings=...) {fmt_bytes(made['sharded']['output'])} per device.",
         ),
