@@ -398,10 +398,17 @@ def _measure_json(
     return {
         "result": result.to_json(),
         "buffers": {
-            str(i): [dataclasses.asdict(b) for b in r.buffers[:40]]
+            str(i): [dataclasses.asdict(b) for b in _kept(r.buffers)]
             for i, r in enumerate(result.reports)
         },
     }
+
+
+def _kept(buffers: Sequence[Buffer], count: int = 40) -> list[Buffer]:
+    """The `count` largest buffers, and the `count` largest temporaries, in size order:
+    a program's arguments may outnumber its temporaries of the same size."""
+    temps = {id(b) for b in [b for b in buffers if b.kind == "temp"][:count]}
+    return [b for i, b in enumerate(buffers) if i < count or id(b) in temps]
 
 
 def run_variant(case: Case, variant: Variant, scale: str, params: Params) -> Any:
