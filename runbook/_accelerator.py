@@ -473,15 +473,18 @@ def claims_matrix(found: Mapping[str, list[Claim] | str]) -> Table:
     )
 
 
-def accelerator_report(case: str, *, contrast: Sequence[str] = CONTRAST) -> list[Any]:
+def accelerator_report(
+    case: str, *, contrast: Sequence[str] = CONTRAST, names: Sequence[str] = PAGE_TARGETS
+) -> list[Any]:
     """Everything a case page's "On your accelerator" section shows, in order.
 
     The targets' memory; the variants' totals per device on this backend and on every
-    available target at the reproduction's worst point; the reproduction's largest
-    temporaries on this backend and on the targets in `contrast`. (The claims per compiler
-    are `claims_matrix(claims_by_target(...))`, shown in a case page's claims section.)
+    available target of `names` at the reproduction's worst point; the reproduction's
+    largest temporaries on this backend and on the targets in `contrast`. (The claims per
+    compiler are `claims_matrix(claims_by_target(...))`, shown in a case page's claims
+    section.) A case whose every program is slow to compile may name fewer targets.
     """
-    missing = {t: unavailable(t) for t in PAGE_TARGETS if unavailable(t)}
+    missing = {t: unavailable(t) for t in names if unavailable(t)}
     items: list[Any] = []
     if missing:
         items.append(
@@ -491,15 +494,16 @@ def accelerator_report(case: str, *, contrast: Sequence[str] = CONTRAST) -> list
                 + "."
             )
         )
-    results = on_targets(case)
+    results = on_targets(case, names=names)
     if len(results) == 1:
         return items
-    items.append(memory_table())
+    items.append(memory_table(names))
     items.append(target_table(results))
     cpu = results[CPU]
     repro = cpu.select(role="reproduction")
     if repro:
-        items.append(buffer_contrast(case, repro[0].name, dict(repro[0].params), contrast))
+        shown = [n for n in contrast if n in names]
+        items.append(buffer_contrast(case, repro[0].name, dict(repro[0].params), shown))
     return items
 
 

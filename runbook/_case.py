@@ -32,6 +32,7 @@ _CASES = {
     "prng-temporaries": "runbook.cases.prng_temporaries",
     "inplace-copy": "runbook.cases.inplace_copy",
     "attention-scores": "runbook.cases.attention_scores",
+    "sharding-replicated": "runbook.cases.sharding_replicated",
 }
 
 
@@ -196,7 +197,9 @@ def measure_case(
         case.variant(v)
     # Options other than the case's own are a trial, and some options crash XLA's compiler:
     # those compile in a child, whose crash the caller gets as `_subprocess.ChildCrashed`.
-    if t is None and (compiler_options is not None or _needs_child(case)):
+    if t is None and compiler_options is None and _needs_child(case):
+        return _in_child(case, scale, buffers, variants, at)
+    if t is None and compiler_options is not None:
         data = _subprocess.call(
             "runbook._case:_measure_json",
             devices=case.devices,
@@ -205,10 +208,54 @@ def measure_case(
             buffers=buffers,
             variants=list(variants) if variants else None,
             at=dict(at) if at else None,
-            compiler_options=None if compiler_options is None else dict(compiler_options),
+            compiler_options=dict(compiler_options),
         )
         return CaseResult.from_json(data["result"], data["buffers"])
     return _measure_here(case, scale, t, buffers, variants, at, compiler_options, progress)
+
+
+def _in_child(
+    case: Case,
+    scale: str,
+    buffers: bool,
+    variants: Sequence[str] | None,
+    at: Mapping[str, Any] | None,
+) -> CaseResult:
+    """A multi-device case measured in a child with forced host devices.
+
+    The child's whole answer is cached (with its buffers, under a request that a filter
+    selecting everything does not change), so that a page asking again, with or without
+    buffers, at the worst point it already measured, starts no second child.
+    """
+    size = case.scales[scale]
+    points = case.grid(size)
+    if at and all(all(p.get(k) == v for k, v in at.items()) for p in points):
+        at = None  # every grid point: the same programs as no filter
+    if variants and set(variants) >= {v.name for v in case.variants}:
+        variants = None
+    request = {
+        "kind": "case-child", "case": case.name, "scale": scale,
+        "variants": sorted(variants) if variants else None, "at": dict(at) if at else None,
+    }  # fmt: skip
+    data = _cache.cached(
+        request,
+        lambda: _subprocess.call(
+            "runbook._case:_measure_json",
+            devices=case.devices,
+            name=case.name,
+            scale=scale,
+            buffers=True,
+            variants=request["variants"],
+            at=request["at"],
+            compiler_options=None,
+        ),
+        module=_CASES[case.name],
+    )
+    result = CaseResult.from_json(data["result"], data["buffers"])
+    if buffers:
+        return result
+    bare = tuple(dataclasses.replace(r, buffers=()) for r in result.reports)
+    return dataclasses.replace(result, reports=bare)
 
 
 def _measure_here(
@@ -358,10 +405,17 @@ def _measure_json(
     return {
         "result": result.to_json(),
         "buffers": {
-            str(i): [dataclasses.asdict(b) for b in r.buffers[:40]]
+            str(i): [dataclasses.asdict(b) for b in _kept(r.buffers)]
             for i, r in enumerate(result.reports)
         },
     }
+
+
+def _kept(buffers: Sequence[Buffer], count: int = 40) -> list[Buffer]:
+    """The `count` largest buffers, and the `count` largest temporaries, in size order:
+    a program's arguments may outnumber its temporaries of the same size."""
+    temps = {id(b) for b in [b for b in buffers if b.kind == "temp"][:count]}
+    return [b for i, b in enumerate(buffers) if i < count or id(b) in temps]
 
 
 def run_variant(case: Case, variant: Variant, scale: str, params: Params) -> Any:

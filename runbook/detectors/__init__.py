@@ -20,6 +20,7 @@ from . import (
     inplace_copy,
     prng_bits,
     replicated_inputs,
+    replicated_state,
     scan_residuals,
     unrolled_loop,
     vmap_batch,
@@ -41,6 +42,7 @@ DETECTORS: tuple[Detector, ...] = (
     prng_bits.detect,
     inplace_copy.detect,
     attention_scores.detect,
+    replicated_state.detect,
 )
 
 __all__ = ["DETECTORS", "Detector"]

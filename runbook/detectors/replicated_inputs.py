@@ -11,6 +11,7 @@ import jax
 
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
+from .replicated_state import replicated_state
 
 MIN_SHARE = 0.10  # of the program's total: smaller replicated inputs are not mentioned
 LARGE = 0.25  # of the device's usable memory: above this, a finding, not information
@@ -39,7 +40,9 @@ def device_memory(program: Program) -> int | None:
 
 
 def detect(program: Program) -> list[Finding]:
-    replicated = [p for p in program.parameters if p.replicated]
+    # A training step's replicated state is `replicated_state`'s finding (sharding-replicated).
+    state = {p.number for p in replicated_state(program)}
+    replicated = [p for p in program.parameters if p.replicated and p.number not in state]
     nbytes = sum(p.shape.nbytes for p in replicated)
     if program.devices < 2 or not replicated or nbytes < MIN_SHARE * program.total:
         return []
