@@ -154,6 +154,19 @@ def measure_points(
     return out
 
 
+def _not_applicable(case: Case, variant: Variant, target: str | None) -> str | None:
+    """Why `variant` is not measured for `target` (this release lacks an API it needs, or
+    its compiler cannot build it for that platform); None when it is measured. The matrix
+    measures on CPU (JAX_PLATFORMS=cpu) and compiles for targets."""
+    if not case.available(variant):
+        return f"needs {variant.since}"
+    if variant.unavailable is None:
+        return None
+    from ._targets import get_target
+
+    return variant.unavailable(get_target(target).platform if target else "cpu")
+
+
 def run_case(
     name: str,
     scale: str = "seed",
@@ -176,15 +189,16 @@ def run_case(
         grid = case.grid(size)
         # All of a variant's points in one child first (a fresh process costs seconds); where
         # that child does not finish in time or dies, each point in a child of its own.
+        excluded = _not_applicable(case, variant, target)
         together = (
             measure_points(case, variant, scale, grid, time_limit=time_limit, target=target)
-            if case.available(variant)
+            if excluded is None
             else None
         )
         timed_out = False
         for i, params in enumerate(grid):
-            if not case.available(variant):
-                entry = _unmeasured(variant, params, "not applicable", f"needs {variant.since}")
+            if excluded is not None:
+                entry = _unmeasured(variant, params, "not applicable", excluded)
             elif together is not None:
                 entry, child = together[i]
                 provenance = provenance or child
