@@ -118,7 +118,9 @@ def versions(session: nox.Session, release: str) -> None:
     session.install(f"jax=={release}", f"jaxlib=={release}", "numpy", "optax")
     session.install("--no-deps", "-e.")  # matplotlib is only needed to plot, not to measure
     try:  # the GPU compiler of this release, where one was published; else "not applicable"
-        session.install(f"jax-cuda12-plugin=={release}", "nvidia-cuda-nvcc-cu12>=12.6.85", "nvidia-cudnn-cu12")
+        session.install(
+            f"jax-cuda12-plugin=={release}", "nvidia-cuda-nvcc-cu12>=12.6.85", "nvidia-cudnn-cu12"
+        )
     except nox.command.CommandFailed:
         session.log(f"no jax-cuda12-plugin {release}: its GPU targets are recorded as such")
     # jaxlib 0.4.35 finds ptxas only in a regular `nvidia.cuda_nvcc` package, which the
