@@ -226,20 +226,6 @@ def attention_backward(
     return backward
 
 
-def attention_gradient(
-    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
-) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
-    """The gradient of ``sum(attend(q, k, v))`` with respect to q, k and v (the program
-    the reports measure: its output's gradient is a constant)."""
-
-    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return jnp.sum(attend(q, k, v).astype(jnp.float32))
-
-    grad: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
-    grad = jax.grad(loss, argnums=(0, 1, 2))
-    return grad
-
-
 def _shape(scale: Mapping[str, Any], params: Params) -> tuple[int, int, int, int]:
     return (scale["batch"], params["tokens"], scale["heads"], scale["dim"])
 
