@@ -56,6 +56,11 @@ def in_place(result: CaseResult, name: str) -> bool:
     return _share(result, name) < IN_PLACE
 
 
+def state(result: CaseResult, name: str) -> str:
+    """What `name` did with the buffer: "copy", "in place", or "partial" in between."""
+    return "copy" if copies(result, name) else "in place" if in_place(result, name) else "partial"
+
+
 def _fill(steps: int) -> Any:
     """A loop that writes element t + 1 of a buffer from element t (#1034, #40101)."""
 
@@ -278,9 +283,7 @@ def dependence_table(result: CaseResult) -> Table:
              "barrier": "yes: through the barrier", "from-read": "yes: the update is "
              "computed from the read"}  # fmt: skip
     rows = [
-        [v.name, needs[v.name], fmt_bytes(result.one(v.name).temp),
-         "copy" if copies(result, v.name) else "in place" if in_place(result, v.name) else
-         "partial"]
+        [v.name, needs[v.name], fmt_bytes(result.one(v.name).temp), state(result, v.name)]
         for v in CASE.variants
         if measured(result, v.name)
     ]  # fmt: skip
@@ -301,9 +304,7 @@ def targets_table(targets: tuple[str, ...] = ("h100", "v5e")) -> Table:
         if not all(measured(r, v.name) for r in results):
             continue
         row = [v.name]
-        for r in results:
-            state = "copy" if copies(r, v.name) else "in place" if in_place(r, v.name) else "?"
-            row.append(f"{state} ({fmt_bytes(r.one(v.name).temp)})")
+        row += [f"{state(r, v.name)} ({fmt_bytes(r.one(v.name).temp)})" for r in results]
         rows.append(row)
     labels = ["CPU"] + [f"{t} (compile-time prediction)" for t in targets]
     return Table(
