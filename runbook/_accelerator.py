@@ -15,7 +15,7 @@ from ._claims import Claim
 from ._errors import DoesNotFitError, RunbookError
 from ._history import Note
 from ._measure import MemoryReport
-from ._render import Table, fmt_bytes
+from ._render import Table, fmt_bytes, fmt_figure
 from ._targets import GPU_ALLOCATOR_SOURCE, Target, get_target, unavailable
 
 CPU = "cpu"
@@ -553,7 +553,8 @@ def case_table(names: Sequence[str] | None = None, *, compare: Sequence[str] = C
             if key and b and a and key in b[0].figures and key in a[0].figures:
                 x, y = b[0].figures[key], a[0].figures[key]
                 cells.append(
-                    f"<b>{fmt_bytes(x)} &rarr; {fmt_bytes(y)}</b><br>{x / y:.1f}x less "
+                    f"<b>{fmt_figure(key, x)} &rarr; {fmt_figure(key, y)}</b><br>"
+                    f"{f'{x / y:.1f}x less' if y else 'none with the fix'} "
                     f"<small>({html.escape(key)}, a real run)</small>"
                 )
             elif key and b and a:

@@ -354,10 +354,15 @@ def _figures(
     function = getattr(importlib.import_module(module), name)
     got = _cache.cached(
         request,
-        lambda: {k: int(v) for k, v in function(variant, size, params).items()},
+        lambda: {k: _figure(k, v) for k, v in function(variant, size, params).items()},
         module=module,
     )
     return dict(got)
+
+
+def _figure(name: str, value: float) -> float:
+    """A figure as stored: seconds as measured, bytes and counts (``_count``) as integers."""
+    return float(value) if name.endswith("_seconds") else int(value)
 
 
 def _measure_one(

@@ -32,7 +32,8 @@ class MemoryReport:
     ``lower_bound`` is what must exist anyway (the arguments and the outputs; donated
     buffers that the output reuses counted once), unless a case supplies an analytic floor.
     ``figures`` holds what a case measures beyond the compiler's figures, by name (e.g. a
-    real run's host resident set, in bytes); empty for most programs.
+    real run's host resident set): bytes, or seconds for names ending in ``_seconds`` and
+    a count for names ending in ``_count``; empty for most programs.
     """
 
     name: str
@@ -48,7 +49,7 @@ class MemoryReport:
     buffers: tuple[Buffer, ...] = ()
     caveats: tuple[str, ...] = ()
     allocations: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    figures: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    figures: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:

@@ -99,13 +99,20 @@ def report_table(reports: Sequence[MemoryReport], caption: str | None = None) ->
     return Table(columns, rows, caption or "")
 
 
+def fmt_figure(name: str, value: float) -> str:
+    """A case's figure by its name: seconds (``_seconds``), a count (``_count``) or bytes."""
+    if name.endswith("_seconds"):
+        return f"{value:.3f} s"
+    return f"{int(value):,}" if name.endswith("_count") else fmt_bytes(value)
+
+
 def figures_table(reports: Sequence[MemoryReport], caption: str = "") -> Table:
     """The figures a case measures beyond the compiler's (`MemoryReport.figures`), one row
-    per report, one column per figure; bytes, except names ending in ``_seconds``."""
+    per report, one column per figure; bytes, except names ending in ``_seconds`` (seconds)
+    and ``_count`` (a count)."""
     names = list(dict.fromkeys(k for r in reports for k in r.figures))
-    cell: Callable[[str, float | None], str] = lambda k, v: (
-        "-" if v is None else f"{v:.3f} s" if k.endswith("_seconds") else fmt_bytes(v)
-    )
+    cell: Callable[[str, float | None], str] = lambda k, v: "-" if v is None else fmt_figure(k, v)
+
     rows = [[r.name, _params(r), *(cell(k, r.figures.get(k)) for k in names)] for r in reports]
     return Table(["variant", "params", *names], rows, caption)
 

@@ -175,7 +175,7 @@ def control_flow_table(rows: list[dict[str, Any]]) -> Table:
     )  # fmt: skip
 
 
-def figures_of(result: CaseResult, name: str) -> Mapping[str, int]:
+def figures_of(result: CaseResult, name: str) -> Mapping[str, float]:
     """The host figures of variant `name` (a result measured on this machine's backend)."""
     r = result.select(name)
     if not r or not r[0].figures:
@@ -414,7 +414,7 @@ def host_chart(result: CaseResult, ax: Any = None) -> Figure:
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.8))
-    series: list[tuple[str, Callable[[MemoryReport], int]]] = [
+    series: list[tuple[str, Callable[[MemoryReport], float]]] = [
         ("memory_analysis total", lambda r: r.total),
         ("resident peak (compile + run)", lambda r: r.figures[KEY_FIGURE]),
         ("resident, executable cached", lambda r: r.figures["rss_cached"]),
