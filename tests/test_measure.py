@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -211,3 +213,12 @@ def test_measure_reuses_a_program_already_compiled(monkeypatch, tmp_path):
     assert not first.buffers
     lowered = [_measure.lower_fn(f, VEC) for f in (_double, _double_again)]
     assert _measure.program_hash(lowered[0]) != _measure.program_hash(lowered[1])
+
+
+def test_figures_render_by_their_names():
+    report = runbook.measure(lambda a: a * 2.0, VEC)
+    with_figures = dataclasses.replace(
+        report, figures={"rss_growth": 3 * 2**20, "compile_seconds": 0.25, "compile_count": 1200}
+    )
+    row = runbook.figures_table([with_figures]).rows[0]
+    assert row[2:] == ["3.00 MiB", "0.250 s", "1,200"]
