@@ -4,6 +4,7 @@ on every target, the watched loop and the CLI."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 
@@ -134,7 +135,7 @@ def test_watched_reproduction_grows_between_marks():
     page.watched_loop(
         "keep-arrays", 4, lambda: live.append(sum(a.nbytes for a in jax.live_arrays()))
     )
-    assert [b - a for a, b in zip(live, live[1:])] == [ONE + 4] * 3
+    assert [b - a for a, b in itertools.pairwise(live)] == [ONE + 4] * 3
 
 
 def test_loops_are_named_by_their_variants():

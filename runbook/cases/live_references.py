@@ -105,7 +105,7 @@ class CyclicState:
     def __init__(self, params: jax.Array, loss: jax.Array) -> None:
         self.params = params
         self.loss = loss
-        self.restore = lambda: self.params
+        self.restore: Callable[[], jax.Array] = lambda: self.params
 
 
 class State:

@@ -31,7 +31,7 @@ from .._quiet import start_backend
 from .._render import Table, fmt_bytes
 from .._spec import Variant
 from ..cases import live_references
-from ..cases.live_references import CASE, LOOPS, floor_bytes, initial_params, param_bytes
+from ..cases.live_references import CASE, LOOPS, initial_params, param_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -198,7 +198,9 @@ def figures_of(result: CaseResult, name: str) -> Mapping[str, float]:
     return r[0].figures
 
 
-def checks(errors: Mapping[str, float], steps: int, tolerance: float | None = None) -> list[dict[str, Any]]:
+def checks(
+    errors: Mapping[str, float], steps: int, tolerance: float | None = None
+) -> list[dict[str, Any]]:
     """The same-result rows (`runbook.site.verify_table`'s) of each fix's `_error`."""
     tol = CASE.tolerance if tolerance is None else tolerance
     fixes = [v.name for v in CASE.variants if v.role == "fix"]
@@ -363,19 +365,31 @@ def reports_table(result: CaseResult) -> Table:
     o = others(result.scale)
     one = param_bytes(CASE.scales[result.scale])
     ours = [
-        f"keep-arrays: {fmt_bytes(k['live_after_loop'])} live after the loop, "
-        f"{fmt_bytes(k['live_after_drop'])} once the log is dropped: freed with the last "
-        "reference",
-        f"five arrays of {fmt_bytes(one)} bound in turn to one name: "
-        f"{fmt_bytes(o['rebind_live'])} live after the loop",
-        f"a failed call's four arrays: {fmt_bytes(o['error_kept_live'])} live while the "
-        f"error is kept, {fmt_bytes(o['error_dropped_live'])} once it is dropped",
-        f"cycle: {fmt_bytes(y['live_after_drop'])} live with nothing referring to the old "
-        f"states, {fmt_bytes(y['live_after_collect'])} after gc.collect()",
-        f"cache-arrays: the cache grows live memory by {fmt_bytes(c['live_growth'])} over the "
-        f"loop, against {fmt_bytes(f['live_growth'])} for {RECOMMENDED}",
-        f"the loop's constant and functions dropped: {fmt_bytes(o['loop_constant_live'])} "
-        f"live above before (the constant is {fmt_bytes(one)})",
+        (
+            f"keep-arrays: {fmt_bytes(k['live_after_loop'])} live after the loop, "
+            f"{fmt_bytes(k['live_after_drop'])} once the log is dropped: freed with the last "
+            "reference"
+        ),
+        (
+            f"five arrays of {fmt_bytes(one)} bound in turn to one name: "
+            f"{fmt_bytes(o['rebind_live'])} live after the loop"
+        ),
+        (
+            f"a failed call's four arrays: {fmt_bytes(o['error_kept_live'])} live while the "
+            f"error is kept, {fmt_bytes(o['error_dropped_live'])} once it is dropped"
+        ),
+        (
+            f"cycle: {fmt_bytes(y['live_after_drop'])} live with nothing referring to the old "
+            f"states, {fmt_bytes(y['live_after_collect'])} after gc.collect()"
+        ),
+        (
+            f"cache-arrays: the cache grows live memory by {fmt_bytes(c['live_growth'])} over "
+            f"the loop, against {fmt_bytes(f['live_growth'])} for {RECOMMENDED}"
+        ),
+        (
+            f"the loop's constant and functions dropped: {fmt_bytes(o['loop_constant_live'])} "
+            f"live above before (the constant is {fmt_bytes(one)})"
+        ),
     ]
     return cited_reports_table(
         REPORTS, ours, f"{result.provenance.label()}; live device bytes of real runs."
@@ -462,10 +476,9 @@ def claims(
         Claim(
             "cycle-delays",
             "Arrays in a reference cycle wait for the cycle collector (jax-ml/jax#725).",
-            verdict(y["live_after_drop"] >= 0.5 * steps * one
-                    and y["live_after_collect"] < one),  # fmt: skip
-            f"keeping only the last state: {fmt_bytes(y['live_growth'])} of growth over "
-            f"{steps} steps with the collector paused, {fmt_bytes(y['live_after_collect'])} "
+            verdict(y["live_after_drop"] >= 0.5 * steps * one and y["live_after_collect"] < one),
+            f"keeping only the last state: {fmt_bytes(y['live_growth'])} of growth from step 1 to "
+            f"step {steps} with the collector paused, {fmt_bytes(y['live_after_collect'])} "
             f"after gc.collect(); without the cycle {fmt_bytes(b['live_growth'])}.",
         ),
         Claim(
@@ -474,7 +487,7 @@ def claims(
             "(jax-ml/jax#12575, google/flax#2493).",
             verdict(c["live_growth"] >= 0.95 * (steps - 1) * one),
             f"a closure's cache keyed by the parameters: {fmt_bytes(c['live_growth'])} of "
-            f"growth over {steps} steps ({c['live_growth'] / one:.2f} copies).",
+            f"growth from step 1 to step {steps} ({c['live_growth'] / one:.2f} copies).",
         ),
         Claim(
             "loop-constant-leaks",
@@ -494,12 +507,3 @@ def claims(
             f"{fmt_bytes(k['live_growth'] - f['live_growth'])}.",
         ),
     ]
-
-
-def floor_note(result: CaseResult) -> str:
-    """The compile-time floor of one step, in words."""
-    s = CASE.scales[result.scale]
-    return (
-        f"floor {fmt_bytes(floor_bytes(s))}: the parameters in, the new parameters and the "
-        "loss out"
-    )
