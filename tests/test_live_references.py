@@ -148,7 +148,7 @@ def test_tables_and_chart_cover_every_variant_and_report(seed):
     result = seed[0]
     assert len(page.live_table(result).rows) == len(CASE.variants)
     assert [row[0] for row in page.reports_table(result).rows] == list(page.REPORTS)
-    fig = page.live_chart()
+    fig = page.live_chart(result)
     lines = fig.axes[0].get_lines()
     assert len(lines) == len(CASE.variants)
     assert all(len(line.get_xdata()) == STEPS for line in lines)

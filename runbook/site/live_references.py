@@ -247,14 +247,15 @@ def live_table(result: CaseResult) -> Table:
     )  # fmt: skip
 
 
-def live_chart(scale: str | None = None, ax: Any = None) -> Figure:
-    """Live device bytes after each step, one line per variant (each a fresh process)."""
+def live_chart(result: CaseResult, ax: Any = None) -> Figure:
+    """Live device bytes after each step, one line per variant, at `result`'s scale (the
+    loops run in the fresh process that measured `result`'s figures)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3.8))
     for v in CASE.variants:
-        series = run(v.name, scale)["series"]
+        series = run(v.name, result.scale)["series"]
         style = "-" if v.role == "reproduction" else "--"
         ax.plot(
             range(1, len(series) + 1),
@@ -267,10 +268,10 @@ def live_chart(scale: str | None = None, ax: Any = None) -> Figure:
     ax.set_xlabel("step")
     ax.set_ylabel("live device MiB above the start")
     ax.legend(fontsize=8, loc="upper left")
-    s = CASE.scale(scale or CASE.runnable_scale)
+    s = CASE.scale(result.scale)
     ax.set_title(
         f"{fmt_bytes(param_bytes(s))} of parameters, {s['steps']} steps; "
-        f"jax {jax.__version__}, {jax.default_backend()}",
+        f"{result.provenance.label()}",
         fontsize=9,
     )
     return cast("Figure", ax.figure)
