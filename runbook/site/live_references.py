@@ -67,6 +67,10 @@ FIGURES = {
 
 RECOMMENDED = CASE.recommended or "keep-floats"
 KEY_FIGURE = CASE.key_figure or "live_growth"
+# jax-ml/jax#10007's loop: arrays bound in turn to one name; #14934's failed call: arrays it
+# made before raising.
+REBOUND = 5
+FAILED_WITH = 4
 # Never plan for more live bytes than this share of what the machine has available.
 SAFETY = 0.5
 
@@ -295,7 +299,7 @@ def _others(size: int) -> dict[str, Any]:
 
     # jax-ml/jax#10007: a name rebound to a new array each iteration.
     a = None
-    for _ in range(5):
+    for _ in range(REBOUND):
         a = jnp.ones(size, jnp.float32)
     out["rebind_live"] = _live_bytes() - base
     del a
@@ -303,7 +307,7 @@ def _others(size: int) -> dict[str, Any]:
     # jax-ml/jax#14934: a call that raises after making arrays; the error kept, as a
     # notebook keeps the last one.
     def failing() -> None:
-        held = [jnp.ones(size, jnp.float32) + i for i in range(4)]
+        held = [jnp.ones(size, jnp.float32) + i for i in range(FAILED_WITH)]
         raise ValueError(f"failed holding {len(held)} arrays")
 
     kept: list[BaseException] = []
@@ -372,11 +376,11 @@ def reports_table(result: CaseResult) -> Table:
             "reference"
         ),
         (
-            f"five arrays of {fmt_bytes(one)} bound in turn to one name: "
+            f"{REBOUND} arrays of {fmt_bytes(one)} bound in turn to one name: "
             f"{fmt_bytes(o['rebind_live'])} live after the loop"
         ),
         (
-            f"a failed call's four arrays: {fmt_bytes(o['error_kept_live'])} live while the "
+            f"a failed call's {FAILED_WITH} arrays: {fmt_bytes(o['error_kept_live'])} live while the "
             f"error is kept, {fmt_bytes(o['error_dropped_live'])} once it is dropped"
         ),
         (
@@ -464,13 +468,13 @@ def claims(
             "Rebinding one name to a new array each iteration grows the live buffers "
             "(jax-ml/jax#10007).",
             verdict(o["rebind_live"] >= 2 * one),
-            f"{fmt_bytes(o['rebind_live'])} live after five arrays of {fmt_bytes(one)} were "
+            f"{fmt_bytes(o['rebind_live'])} live after {REBOUND} arrays of {fmt_bytes(one)} were "
             "bound in turn to one name: each replaced array is freed.",
         ),
         Claim(
             "error-holds",
             "A call that raised keeps its arrays while its error is kept (jax-ml/jax#14934).",
-            verdict(o["error_kept_live"] >= 3 * one and o["error_dropped_live"] < one),
+            verdict(o["error_kept_live"] >= FAILED_WITH * one and o["error_dropped_live"] < one),
             f"{fmt_bytes(o['error_kept_live'])} live while the exception is referenced (its "
             f"traceback holds the frame), {fmt_bytes(o['error_dropped_live'])} once dropped.",
         ),
