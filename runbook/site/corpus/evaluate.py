@@ -199,16 +199,8 @@ def program_table(outcomes: Sequence[Outcome] | None = None) -> Table:
                 [f"missed {_join(o.missed)}"] * bool(o.missed)
                 + [f"false alarm {_join(o.false_alarms)}"] * bool(o.false_alarms)
             )
-        rows.append(
-            [
-                o.entry.name,
-                o.entry.shape,
-                _join(o.entry.expected),
-                _join(o.cases),
-                verdict,
-                o.entry.source,
-            ]  # fmt: skip
-        )
+        names = [o.entry.name, o.entry.shape, _join(o.entry.expected), _join(o.cases)]
+        rows.append([*names, verdict, o.entry.source])
     return Table(
         ["program", "written as", "expected", "named", "verdict", "drawn from"],
         rows,

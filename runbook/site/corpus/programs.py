@@ -231,7 +231,7 @@ def _frozen_step(tx: optax.GradientTransformation) -> Built:
 
 def _labels(params: dict[str, dict[str, S]]) -> dict[str, dict[str, str]]:
     return {
-        k: {n: ("frozen" if k == "backbone" else "train") for n in v} for k, v in params.items()
+        k: dict.fromkeys(v, "frozen" if k == "backbone" else "train") for k, v in params.items()
     }
 
 
@@ -263,7 +263,7 @@ def frozen_by_set_to_zero() -> Built:
 )
 def frozen_by_mask() -> Built:
     params = _backbone_params()
-    mask = {k: {n: k == "backbone" for n in v} for k, v in params.items()}
+    mask = {k: dict.fromkeys(v, k == "backbone") for k, v in params.items()}
     tx = optax.chain(optax.masked(optax.set_to_zero(), mask), optax.adam(1e-3))
     return _frozen_step(tx)
 
@@ -752,7 +752,7 @@ def flash_style_attention() -> Built:
 
         t, d = q.shape
         init = (jnp.full((t,), -jnp.inf), jnp.zeros((t,)), jnp.zeros((t, d)))
-        m, l, acc = lax.scan(block, init, (kb, vb))[0]
+        _, l, acc = lax.scan(block, init, (kb, vb))[0]
         return acc / l[:, None]
 
     x = S((4096, 64), f32)

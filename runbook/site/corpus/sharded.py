@@ -63,7 +63,7 @@ def replicated_adam() -> Built:
     params = _layers(4, 1024)
     state = jax.eval_shape(tx.init, params)
     x = S((256, 1024), f32, sharding=NamedSharding(mesh, P("data")))
-    whole = lambda leaf: P()  # noqa: E731
+    whole = lambda leaf: P()
     args = (_placed(params, mesh, whole), _placed(state, mesh, whole), x)
     return jax.jit(_adam_step(tx), donate_argnums=(0, 1)), args
 
@@ -83,7 +83,7 @@ def replicated_momentum_2d() -> Built:
         m = jax.tree.map(lambda m, g: 0.9 * m + g, m, g)
         return jax.tree.map(lambda p, m: p - 1e-2 * m, p, m), m
 
-    whole = lambda leaf: P()  # noqa: E731
+    whole = lambda leaf: P()
     x = S((256, 1024), f32, sharding=NamedSharding(mesh, P("data")))
     args = (_placed(params, mesh, whole), _placed(params, mesh, whole), x)
     return jax.jit(step, donate_argnums=(0, 1)), args
