@@ -95,23 +95,35 @@ def _diagnose_group(names: list[str]) -> list[dict[str, Any]]:
 
 
 def _records(chosen: Sequence[Entry]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    here = [e for e in chosen if e.devices == 1]
-    for e in here:
-        request = {"corpus": e.name, "source": source_hash()}
-        out.append(_cache.cached(request, functools.partial(diagnose_entry, e.name)))
-    for devices in sorted({e.devices for e in chosen if e.devices > 1}):
-        names = [e.name for e in chosen if e.devices == devices]
-        request = {"corpus-group": names, "devices": devices, "source": source_hash()}
-        out += _cache.cached(
-            request,
-            functools.partial(
-                _subprocess.call,
-                "runbook.site.corpus.evaluate:_diagnose_group",
-                devices=devices,
-                names=names,
-            ),
-        )
+    """Each chosen program's summary. Groups needing several devices start first, in child
+    processes waited on from threads, so that they compile while this process does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    groups = {
+        devices: [e.name for e in chosen if e.devices == devices]
+        for devices in sorted({e.devices for e in chosen if e.devices > 1})
+    }
+    with ThreadPoolExecutor(max_workers=max(1, len(groups))) as pool:
+        children = [
+            pool.submit(
+                _cache.cached,
+                {"corpus-group": names, "devices": devices, "source": source_hash()},
+                functools.partial(
+                    _subprocess.call,
+                    "runbook.site.corpus.evaluate:_diagnose_group",
+                    devices=devices,
+                    names=names,
+                ),
+            )
+            for devices, names in groups.items()
+        ]
+        out: list[dict[str, Any]] = []
+        for e in chosen:
+            if e.devices == 1:
+                request = {"corpus": e.name, "source": source_hash()}
+                out.append(_cache.cached(request, functools.partial(diagnose_entry, e.name)))
+        for child in children:
+            out += child.result()
     return out
 
 
