@@ -276,7 +276,7 @@ class Diagnosis:
             parts.append(f"<p><strong>{e(self.fit_line())}</strong></p>")
         if not self.findings:
             whole = self.report.total + self.constants
-            rows = "".join(
+            table = "".join(
                 f"<tr><td>{fmt_bytes(g.bytes)}</td>"
                 f"<td>{min(g.bytes / whole, 1.0) if whole else 0:.0%}</td>"
                 f"<td>{g.count}</td><td><code>{e(g.shape)}</code></td><td>{e(g.op)}</td>"
@@ -292,7 +292,7 @@ class Diagnosis:
             parts.append(
                 "<p>No known mechanism found. What dominates, by the JAX operation and source "
                 f'line that made it:</p><table class="runbook-table"><thead><tr>{head}</tr>'
-                f"</thead><tbody>{rows}</tbody></table>{closest}</div>"
+                f"</thead><tbody>{table}</tbody></table>{closest}</div>"
             )
             return "".join(parts)
         head = "".join(

@@ -7,6 +7,7 @@ public reports named in each `source`; none is a case's own program.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -310,7 +311,7 @@ def stop_gradient_backbone() -> Built:
     shape="optax cross-entropy on a tied embedding, dict params, gradient",
 )
 def tied_embedding_ce() -> Built:
-    def loss(p: dict[str, jax.Array], h: jax.Array, y: jax.Array) -> jax.Array:
+    def loss(p: dict[str, jax.Array], h: jax.Array, y: jax.Array) -> Any:
         logits = (h @ p["proj"]) @ p["embed"].T
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
@@ -359,7 +360,7 @@ def per_example_grads() -> Built:
     def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
         return jnp.sum(_mlp(p, x) ** 2)
 
-    def norms(p: dict[str, jax.Array], xs: jax.Array) -> jax.Array:
+    def norms(p: dict[str, jax.Array], xs: jax.Array) -> Any:
         g = jax.vmap(jax.grad(loss), in_axes=(None, 0))(p, xs)
         return sum(jnp.sum(v**2, axis=tuple(range(1, v.ndim))) for v in jax.tree.leaves(g))
 
@@ -407,8 +408,8 @@ def vmap_outer_trace() -> Built:
 def closure_in_fori() -> Built:
     table = np.random.default_rng(0).standard_normal((64, 256, 64), np.float32)
 
-    def f(x: jax.Array) -> jax.Array:
-        def body(i: jax.Array, acc: jax.Array) -> jax.Array:
+    def f(x: jax.Array) -> Any:
+        def body(i: jax.Array, acc: jax.Array) -> Any:
             return acc + jnp.asarray(table)[i] @ x
 
         return lax.fori_loop(0, 64, body, jnp.zeros((256,), f32))
@@ -443,7 +444,7 @@ def cond_captures_dict() -> Built:
     rng = np.random.default_rng(2)
     banks = {k: rng.standard_normal((1024, 256), np.float32) for k in ("a", "b")}
 
-    def f(flag: jax.Array, x: jax.Array) -> jax.Array:
+    def f(flag: jax.Array, x: jax.Array) -> Any:
         return lax.cond(flag, lambda v: v @ banks["a"], lambda v: v @ banks["b"], x)
 
     return jax.jit(f), (S((), jnp.bool_), S((8, 1024), f32))
@@ -581,8 +582,8 @@ def keep_before_and_after() -> Built:
     shape="fori_loop writing one row per step, then reading the old buffer against the new",
 )
 def loop_update_reads_old() -> Built:
-    def fill(buf: jax.Array, xs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        def body(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def fill(buf: jax.Array, xs: jax.Array) -> Any:
+        def body(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> Any:
             b, change = carry
             nb = b.at[i].set(xs[i])
             return nb, change + jnp.sum(jnp.abs(nb - b))
@@ -659,7 +660,7 @@ def biased_attention_grad() -> Built:
     shape="undonated SGD step on an output projection with a large vocabulary",
 )
 def lm_head_step_undonated() -> Built:
-    def step(w: jax.Array, h: jax.Array, y: jax.Array) -> jax.Array:
+    def step(w: jax.Array, h: jax.Array, y: jax.Array) -> Any:
         g = jax.grad(lambda w: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean())(w)
         return w - 0.1 * g
 
@@ -764,8 +765,8 @@ def flash_style_attention() -> Built:
     shape="chunked cross-entropy with lax.map over token chunks",
 )
 def chunked_cross_entropy() -> Built:
-    def loss(w: jax.Array, h: jax.Array, y: jax.Array) -> jax.Array:
-        def chunk(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+    def loss(w: jax.Array, h: jax.Array, y: jax.Array) -> Any:
+        def chunk(args: tuple[jax.Array, jax.Array]) -> Any:
             hc, yc = args
             return optax.softmax_cross_entropy_with_integer_labels(hc @ w, yc).sum()
 
@@ -801,8 +802,8 @@ def conv_forward() -> Built:
     shape="a donated ring buffer written one slot per fori_loop step",
 )
 def donated_ring_buffer() -> Built:
-    def fill(buf: jax.Array, xs: jax.Array, start: jax.Array) -> jax.Array:
-        def body(i: jax.Array, b: jax.Array) -> jax.Array:
+    def fill(buf: jax.Array, xs: jax.Array, start: jax.Array) -> Any:
+        def body(i: jax.Array, b: jax.Array) -> Any:
             slot = (start + i) % b.shape[0]
             return lax.dynamic_update_slice_in_dim(b, jnp.tanh(xs[i])[None], slot, 0)
 

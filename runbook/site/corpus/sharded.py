@@ -104,7 +104,7 @@ def gathered_layers_loop() -> Built:
         full = {k: jax.lax.with_sharding_constraint(w, whole) for k, w in p.items()}
         return _loss(full, x)
 
-    def step(p: dict[str, jax.Array], x: jax.Array) -> dict[str, jax.Array]:
+    def step(p: dict[str, jax.Array], x: jax.Array) -> Any:
         g = jax.grad(loss)(p, x)
         return jax.tree.map(lambda p, g: p - 1e-2 * g, p, g)
 
@@ -139,7 +139,7 @@ def fsdp_scanned_layers() -> Built:
         layer = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None))
         return jnp.mean(jax.lax.scan(layer, x, stacked)[0] ** 2)
 
-    def step(stacked: jax.Array, x: jax.Array) -> jax.Array:
+    def step(stacked: jax.Array, x: jax.Array) -> Any:
         return stacked - 1e-2 * jax.grad(loss)(stacked, x)
 
     stacked = S((8, 1024, 1024), f32, sharding=NamedSharding(mesh, P(None, "data", None)))
@@ -158,7 +158,7 @@ def tensor_parallel_mlp() -> Built:
     def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
         return jnp.mean((jax.nn.gelu(x @ p["up"]) @ p["down"]) ** 2)
 
-    def step(p: dict[str, jax.Array], x: jax.Array) -> dict[str, jax.Array]:
+    def step(p: dict[str, jax.Array], x: jax.Array) -> Any:
         return jax.tree.map(lambda p, g: p - 1e-2 * g, p, jax.grad(loss)(p, x))
 
     split = {"up": P(None, "data"), "down": P("data", None)}
