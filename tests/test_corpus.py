@@ -16,51 +16,7 @@ import runbook
 from runbook._diagnose import Diagnosis
 from runbook.site import corpus
 from runbook.site.corpus.evaluate import counts
-
-# Expected cases the detectors do not name, per program, with the reason.
-_MISSES = {
-    "remat-blocks-params-in-carry": {
-        "scan-residuals": "jax.remat around each block's scan: the stacked residuals are "
-        "recomputed in the backward pass, and what each block stores (its carry, "
-        "parameters included) is not a per-step stack the detector reads",
-    },
-    "frozen-by-scale-zero": {
-        "frozen-params": "optax.scale(0.0): the backbone's gradient is computed and then "
-        "multiplied by zero, which the detector does not read as frozen",
-    },
-    "frozen-by-zero-lr": {
-        "frozen-params": "a zero learning rate by hand (p - 0.0 * g): the same as scale(0.0)",
-    },
-    "per-example-grads": {
-        "vmap-materialize": "the whole batch of per-example gradients is materialised by the "
-        "squared norm outside vmap (op jit/integer_pow), not by an operation named vmap(...)",
-    },
-}
-# Cases named on programs that do not exhibit them, with the reason.
-_FALSE_ALARMS = {
-    "bilinear-sample": {
-        "pmap-loop": "a helper called four times (the corners) reads as four iterations of "
-        "an unrolled loop: same-shape temporaries from one source line",
-    },
-    "gram-per-group": {
-        "attention-scores": "exp of a Gram matrix (N x N from an N x d input) has the shape "
-        "and the exponential of attention scores",
-        "vocab-logits": "the same Gram matrix's last axis is the larger side of an input",
-    },
-    "remat-blocks-params-in-carry": {
-        "pmap-loop": "the Python loop over blocks is intended; each block's scan is written "
-        "by one source line, which the unrolled-loop rule reads as a loop's copies",
-    },
-    "replicated-adam": {
-        "pmap-loop": "the layers' weight gradients, one per layer from one source line, "
-        "read as an unrolled loop's copies",
-    },
-    "gathered-layers-loop": {
-        "pmap-loop": "the same: one gradient (and one gathered weight) per layer",
-    },
-}
-KNOWN_MISSES = {"0.10.2": _MISSES, "0.12.0.1": _MISSES}
-KNOWN_FALSE_ALARMS = {"0.10.2": _FALSE_ALARMS, "0.12.0.1": _FALSE_ALARMS}
+from runbook.site.corpus.known import KNOWN_FALSE_ALARMS, KNOWN_MISSES
 
 
 def _pinned(table: dict[str, dict[str, dict[str, str]]]) -> dict[str, list[str]]:
