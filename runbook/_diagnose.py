@@ -15,7 +15,46 @@ from ._measure import MemoryReport
 from ._program import Finding, Program
 from ._render import Table, fmt_bytes
 
-__all__ = ["Diagnosis", "Finding", "diagnose"]
+__all__ = ["Diagnosis", "Dominant", "Finding", "diagnose"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dominant:
+    """The buffers one JAX operation made at one source line, added up.
+
+    Attributes:
+        op: the JAX operation XLA recorded (for an input, its argument path), or "-".
+        source: the source line, or "-" where XLA recorded none.
+        count: how many buffers.
+        bytes: their sizes added up (buffers that reuse memory count each time).
+        shape: the largest one's shape.
+        kinds: their kinds (argument, output, temp, constant).
+        steps: where they are stacked per step of a while loop (a scan, a fori_loop): the
+            loop's number of steps, else None.
+    """
+
+    op: str
+    source: str
+    count: int
+    bytes: int
+    shape: str
+    kinds: tuple[str, ...]
+    steps: int | None = None
+
+    def describe(self, whole: int) -> str:
+        share = f"{min(self.bytes / whole, 1.0):.0%} " if whole else ""
+        many = f"{self.count} buffers, largest " if self.count > 1 else ""
+        stacked = f"; stacked per step of a {self.steps}-step loop" if self.steps else ""
+        made = f"{self.op}  {self.source}"
+        if self.op == "-" and self.source == "-":
+            made = "no JAX operation recorded (made by the compiler: copies, initial values)"
+        return (
+            f"{fmt_bytes(self.bytes):>10} {share}({many}{self.shape} {'/'.join(self.kinds)})  "
+            f"{made}{stacked}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +69,8 @@ class Diagnosis:
             (``needed``, ``limit``, ``what``); the findings then come from this process's
             backend.
         seconds: how long the diagnosis took (compilation included).
+        stacked: buffers a while loop writes one step at a time (HLO instruction name ->
+            the loop's steps; see `Program.stacked_per_step`).
     """
 
     report: MemoryReport
@@ -37,6 +78,7 @@ class Diagnosis:
     target: _targets.Target | None = None
     refused: dict[str, Any] | None = None
     seconds: float = 0.0
+    stacked: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def cases(self) -> list[str]:
@@ -114,6 +156,47 @@ class Diagnosis:
         ]
         return rest[:count]
 
+    def dominant(self, count: int = 5) -> list[Dominant]:
+        """What dominates the program: its buffers grouped by the JAX operation and source
+        line that made them, largest first, each marked where a loop stacks it per step."""
+        groups: dict[tuple[str, str], list[Buffer]] = {}
+        for b in self.report.buffers:
+            if b.kind in ("argument", "output", "temp", "constant"):
+                groups.setdefault((b.op or "-", b.source or "-"), []).append(b)
+        found = []
+        for (op, source), members in groups.items():
+            members.sort(key=lambda b: -b.size)
+            steps = [self.stacked[n] for b in members if (n := _name(b)) in self.stacked]
+            found.append(
+                Dominant(
+                    op,
+                    source,
+                    len(members),
+                    sum(b.size for b in members),
+                    members[0].shape,
+                    tuple(dict.fromkeys(b.kind for b in members)),
+                    max(steps) if steps else None,
+                )
+            )
+        found.sort(key=lambda g: -g.bytes)
+        return found[:count]
+
+    def _nothing_found(self) -> list[str]:
+        """The text for a program no detector recognised: what dominates, and what comes
+        closest (where the diagnosis carries a ``closest`` explanation)."""
+        whole = self.report.total + self.constants
+        lines = [
+            (
+                "No known mechanism found. What dominates, by the JAX operation and source "
+                "line that made it (bytes, share of the total):"
+            )
+        ]
+        lines += [f"  {g.describe(whole)}" for g in self.dominant()]
+        lines += [f"  {line}" for line in _closest_lines(self)]
+        lines.append("The largest buffers:")
+        lines += [f"  {_buffer_line(b)}" for b in self.report.buffers[:3]]
+        return lines
+
     def _share(self, f: Finding) -> str:
         """`f`'s bytes against everything the program holds (its total and its constants)."""
         whole = self.report.total + self.constants
@@ -158,8 +241,7 @@ class Diagnosis:
         if self.target is not None:
             lines.append(self.fit_line())
         if not self.findings:
-            lines.append("No known mechanism found. The largest buffers:")
-            lines += [f"  {_buffer_line(b)}" for b in self.report.buffers[:5]]
+            lines += self._nothing_found()
             return "\n".join(lines)
         lines.append("Findings, largest first:")
         for n, f in enumerate(self.findings, 1):
@@ -193,7 +275,25 @@ class Diagnosis:
         if self.target is not None:
             parts.append(f"<p><strong>{e(self.fit_line())}</strong></p>")
         if not self.findings:
-            parts.append("<p>No known mechanism found.</p></div>")
+            whole = self.report.total + self.constants
+            table = "".join(
+                f"<tr><td>{fmt_bytes(g.bytes)}</td>"
+                f"<td>{min(g.bytes / whole, 1.0) if whole else 0:.0%}</td>"
+                f"<td>{g.count}</td><td><code>{e(g.shape)}</code></td><td>{e(g.op)}</td>"
+                f"<td>{e(g.source)}</td><td>{f'{g.steps}-step loop' if g.steps else '-'}</td></tr>"
+                for g in self.dominant()
+            )
+            head = "".join(
+                f"<th>{c}</th>"
+                for c in ("bytes", "of total", "buffers", "largest", "JAX operation", "source",
+                          "stacked per step of")
+            )  # fmt: skip
+            closest = "".join(f"<p>{e(line)}</p>" for line in _closest_lines(self))
+            parts.append(
+                "<p>No known mechanism found. What dominates, by the JAX operation and source "
+                f'line that made it:</p><table class="runbook-table"><thead><tr>{head}</tr>'
+                f"</thead><tbody>{table}</tbody></table>{closest}</div>"
+            )
             return "".join(parts)
         head = "".join(
             f"<th>{c}</th>"
@@ -232,6 +332,7 @@ class Diagnosis:
             "target": self.target.name if self.target else None,
             "refused": dict(self.refused) if self.refused else None,
             "seconds": self.seconds,
+            "stacked": dict(self.stacked),
         }
 
     @classmethod
@@ -248,6 +349,7 @@ class Diagnosis:
             _targets.get_target(target) if target else None,
             dict(record["refused"]) if record.get("refused") else None,
             record.get("seconds", 0.0),
+            dict(record.get("stacked", {})),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -274,7 +376,37 @@ class Diagnosis:
             "findings": [f.to_json() for f in self.findings],
             "caveats": list(self.report.caveats),
             "seconds": round(self.seconds, 3),
+            "dominant": [g.to_json() for g in self.dominant()] if not self.findings else [],
+            **({"closest": _closest_json(self)} if not self.findings else {}),
         }
+
+
+def _name(b: Buffer) -> str:
+    """A buffer's HLO instruction name (its `instruction` is ``"name (opcode)"``)."""
+    return b.instruction.split(" (")[0]
+
+
+def _closest_lines(d: Diagnosis) -> list[str]:
+    """The case that comes closest and why it was not named, where the diagnosis has a
+    ``closest`` (a hook for the near-miss explanation; nothing otherwise)."""
+    closest = getattr(d, "closest", None)
+    if callable(closest):
+        closest = closest()
+    if not closest:
+        return []
+    items = closest if isinstance(closest, list | tuple) else [closest]
+    return [f"Closest: {item}" for item in items]
+
+
+def _closest_json(d: Diagnosis) -> Any:
+    closest = getattr(d, "closest", None)
+    if callable(closest):
+        closest = closest()
+    if isinstance(closest, list | tuple):
+        return [c.to_json() if hasattr(c, "to_json") else str(c) for c in closest]
+    if closest is None:
+        return None
+    return closest.to_json() if hasattr(closest, "to_json") else str(closest)
 
 
 def _buffer_line(b: Any) -> str:
@@ -348,7 +480,10 @@ def diagnose(
         )
     findings = [f for detect in (detectors or DETECTORS) for f in detect(program)]
     findings.sort(key=lambda f: -f.bytes)
-    return Diagnosis(program.report, tuple(findings), t, refused, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return Diagnosis(
+        program.report, tuple(findings), t, refused, seconds, program.stacked_per_step()
+    )
 
 
 def detector_table() -> Table:

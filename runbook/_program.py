@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import importlib
 import pathlib
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -379,6 +380,29 @@ class Program:
                 return True
             computation = caller.computation
         return False
+
+    def stacked_per_step(self) -> dict[str, int]:
+        """Arrays a while loop writes one step at a time: instruction name -> the loop's steps.
+
+        An instruction of a loop's body (or of a loop inside it) that computes a
+        dynamic-update-slice, with a leading dimension equal to the loop's known trip count:
+        a scan's stacked outputs, and what a gradient stores per step for its backward pass.
+        """
+        found: dict[str, int] = {}
+        for loop in self.module.instructions.values():
+            steps = loop.trip_count
+            if loop.opcode != "while" or not steps or steps < 2:
+                continue
+            body = re.search(r"\bbody=%?([\w.\-]+)", loop.attributes)
+            for inst in self.module.computations.get(body[1], ()) if body else ():
+                dims = inst.shape.dims if inst.shape.is_array else ()
+                if (
+                    dims
+                    and dims[0] == steps
+                    and self.module.through(inst).opcode == "dynamic-update-slice"
+                ):
+                    found.setdefault(inst.name, steps)
+        return found
 
     @functools.cached_property
     def has_backward(self) -> bool:

@@ -1,0 +1,63 @@
+"""What `diagnose` misses and names falsely on the corpus, per JAX release, with reasons.
+
+`tests/test_corpus.py` pins these exactly: a miss that starts passing, or a new miss or
+false alarm, fails it; the diagnose page lists them with their reasons. A release not
+listed has no pins (its outcomes are shown, not checked).
+"""
+
+from __future__ import annotations
+
+# Expected cases the detectors do not name, per program, with the reason.
+MISSES: dict[str, dict[str, str]] = {
+    "remat-blocks-params-in-carry": {
+        "scan-residuals": "jax.remat around each block's scan: the block's forward scan is "
+        "recomputed inside the backward pass (a rematted computation), and the per-step "
+        "stacks it writes there are not the forward-then-backward loop pair the detector "
+        "reads",
+    },
+    "frozen-by-scale-zero": {
+        "frozen-params": "optax.scale(0.0): the backbone's gradient is computed and then "
+        "multiplied by zero, which the detector does not read as frozen",
+    },
+    "frozen-by-zero-lr": {
+        "frozen-params": "a zero learning rate by hand (p - 0.0 * g): the same as scale(0.0)",
+    },
+    "per-example-grads": {
+        "vmap-materialize": "the whole batch of per-example gradients is materialised by the "
+        "squared norm outside vmap (op jit/integer_pow), not by an operation named vmap(...)",
+    },
+}
+# Cases named on programs that do not exhibit them, with the reason.
+FALSE_ALARMS: dict[str, dict[str, str]] = {
+    "bilinear-sample": {
+        "pmap-loop": "a helper called four times (the corners) reads as four iterations of "
+        "an unrolled loop: same-shape temporaries from one source line",
+    },
+    "gram-per-group": {
+        "attention-scores": "exp of a Gram matrix (N x N from an N x d input) has the shape "
+        "and the exponential of attention scores",
+        "vocab-logits": "the same Gram matrix's last axis is the larger side of an input",
+    },
+    "remat-blocks-params-in-carry": {
+        "pmap-loop": "jnp.split copies the four blocks' inputs, all live at once and made by "
+        "one source line, which the unrolled-loop rule reads as a loop's copies (the cost "
+        "is real: slicing each block inside the loop avoids it)",
+    },
+    "replicated-adam": {
+        "pmap-loop": "the layers' weight gradients, one per layer from one source line, "
+        "read as an unrolled loop's copies",
+    },
+    "gathered-layers-loop": {
+        "pmap-loop": "the same: one gradient (and one gathered weight) per layer",
+    },
+}
+KNOWN_MISSES: dict[str, dict[str, dict[str, str]]] = {"0.10.2": MISSES, "0.12.0.1": MISSES}
+KNOWN_FALSE_ALARMS: dict[str, dict[str, dict[str, str]]] = {
+    "0.10.2": FALSE_ALARMS,
+    "0.12.0.1": FALSE_ALARMS,
+}
+
+
+def reason(table: dict[str, dict[str, dict[str, str]]], release: str, name: str, case: str) -> str:
+    """The pinned reason for `name` and `case` on `release`, or "" where none is pinned."""
+    return table.get(release, {}).get(name, {}).get(case, "")
