@@ -25,13 +25,13 @@ import gc
 import html
 import inspect
 import logging
-import os
+import pathlib
 import re
 import sys
 import time
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Self
 
 import jax
 
@@ -44,9 +44,13 @@ from ._watch_rules import Compile, Growth, StepRecord, Thresholds
 __all__ = ["Compile", "Growth", "StepRecord", "Thresholds", "Watch", "watch"]
 
 _FLAGS = ("jax_log_compiles", "jax_explain_cache_misses")
-_COMPILING = re.compile(r"^Compiling (.+?) with global shapes and types (.*?)\. Argument mapping", re.S)
+_COMPILING = re.compile(
+    r"^Compiling (.+?) with global shapes and types (.*?)\. Argument mapping", re.DOTALL
+)
 _FINISHED = re.compile(r"^Finished XLA compilation of (.+?) in ([0-9.eE+-]+) sec")
-_MISS = re.compile(r"^TRACING CACHE MISS at (.+?)(?: costing [^\n]*?)?(?: because)?:\n(.*)", re.S)
+_MISS = re.compile(
+    r"^TRACING CACHE MISS at (.+?)(?: costing [^\n]*?)?(?: because)?:\n(.*)", re.DOTALL
+)
 _MISS_FN = re.compile(r"(?:for (\S+) defined at|never seen function:\s*\n\s*(\S+) id=)")
 _TYPE = re.compile(r"ShapedArray\(([^)]*)\)")
 _CHATTER = ("Finished tracing", "Finished jaxpr to MLIR", "Finished XLA compilation", "Compiling ")
@@ -101,13 +105,13 @@ class _LogTap(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             message = record.getMessage()
-        except Exception:  # a malformed record is not ours to judge
+        except Exception:  # noqa: BLE001 - a malformed record is not ours to judge
             return True
         ours = self.watch._read_log(message)
         return self.passthrough or not ours
 
 
-def _monitor(event: str, duration: float, **_: Any) -> None:
+def _monitor(event: str, duration_secs: float, **kwargs: str | int) -> None:
     if _ACTIVE is not None and event == "/jax/core/compile/backend_compile_duration":
         _ACTIVE._monitored += 1
 
@@ -162,7 +166,7 @@ class Watch:
 
     # -- the context -------------------------------------------------------------------------
 
-    def __enter__(self) -> Watch:
+    def __enter__(self) -> Self:
         global _ACTIVE
         if self._state != "new":
             raise RunbookError("this watch was already used: start a new runbook.watch()")
@@ -203,7 +207,9 @@ class Watch:
         self._mark(0, first=True)
         return self
 
-    def __exit__(self, kind: Any, value: BaseException | None, tb: Any) -> bool:
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: object
+    ) -> bool:
         self._stop()
         if isinstance(value, _Enough):
             return True
@@ -257,7 +263,7 @@ class Watch:
     def _in_use(d: Any) -> int | None:
         try:
             stats = d.memory_stats()
-        except Exception:  # some backends raise instead of returning None
+        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
             return None
         return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
 
@@ -315,8 +321,14 @@ class Watch:
             if shape in self._held:
                 continue
             new = next(
-                (a for a in reversed(arrays) if _shape(a) == shape and a.nbytes == nbytes
-                 and id(a) not in self._base_ids and id(a) in self._prev_ids),
+                (
+                    a
+                    for a in reversed(arrays)
+                    if _shape(a) == shape
+                    and a.nbytes == nbytes
+                    and id(a) not in self._base_ids
+                    and id(a) in self._prev_ids
+                ),
                 None,
             )
             if new is None:
@@ -380,7 +392,11 @@ class Watch:
         rise = None
         if pending["hwm"] is not None and hwm is not None and pending["rss"] is not None:
             # the peak was set during the compile when it moved; else the resident growth
-            rise = hwm - pending["rss"] if hwm > pending["hwm"] else max(0, (rss or 0) - pending["rss"])
+            rise = (
+                hwm - pending["rss"]
+                if hwm > pending["hwm"]
+                else max(0, (rss or 0) - pending["rss"])
+            )
         site, why = self._explained.pop(name, ("", ""))
         before = self._last_types.get(name)
         if before is None:
@@ -391,7 +407,9 @@ class Watch:
             change = _compare(before, types_)
         self._last_types[name] = types_
         self.compiles.append(
-            Compile(pending["function"], max(1, pending["step"]), seconds, types_, change, site, rise)
+            Compile(
+                pending["function"], max(1, pending["step"]), seconds, types_, change, site, rise
+            )
         )
 
     # -- what it names ---------------------------------------------------------------------------
@@ -434,8 +452,13 @@ class Watch:
             shown = ", ".join(map(str, steps[:8])) + (" ..." if len(steps) > 8 else "")
             changes = [c.change for c in cs if c.change]
             rows.append(
-                [fn, len(cs), shown, f"{sum(c.seconds for c in cs):.3f}",
-                 changes[-1] if changes else "-"]
+                [
+                    fn,
+                    len(cs),
+                    shown,
+                    f"{sum(c.seconds for c in cs):.3f}",
+                    changes[-1] if changes else "-",
+                ]
             )
         return Table(["function", "compiles", "steps", "seconds", "last change"], rows)
 
@@ -461,8 +484,12 @@ class Watch:
 
         if ax is None:
             _, ax = plt.subplots(figsize=(7, 3))
-        ax.plot([r.step for r in self.records], [r.total / 2**20 for r in self.records],
-                marker=".", label=label)
+        ax.plot(
+            [r.step for r in self.records],
+            [r.total / 2**20 for r in self.records],
+            marker=".",
+            label=label,
+        )
         ax.set_xlabel("step")
         ax.set_ylabel("live device MiB")
         ax.set_title(_label(), fontsize="small")
@@ -484,8 +511,7 @@ class Watch:
             f"runbook.watch: {self.steps} steps in {self.seconds:.2f} s; {_label()}\n"
             f"live device bytes {fmt_bytes(a.total)} -> {fmt_bytes(b.total)} "
             f"({a.live_arrays} -> {b.live_arrays} arrays){host}; "
-            f"{len(self.compiles)} compilations"
-            + (f" ({top})" if top else "")
+            f"{len(self.compiles)} compilations" + (f" ({top})" if top else "")
         )
 
     def __str__(self) -> str:
@@ -497,7 +523,9 @@ class Watch:
                 f"({_describe(self.thresholds)})."
             )
         for n, f in enumerate(found, 1):
-            lines.append(f"{n}. {f.pattern} [{f.case}]" + (f": {fmt_bytes(f.bytes)}" if f.bytes else ""))
+            lines.append(
+                f"{n}. {f.pattern} [{f.case}]" + (f": {fmt_bytes(f.bytes)}" if f.bytes else "")
+            )
             lines.append(f"   seen: {f.detail}")
             lines.append(f"   fix:  {f.fix}")
         lines += [f"Caveat: {c}" for c in self.caveats]
@@ -509,7 +537,7 @@ class Watch:
 
     def _repr_html_(self) -> str:
         e = html.escape
-        parts = [f"<div class=\"runbook-watch\"><pre>{e(self.summary())}</pre>"]
+        parts = [f'<div class="runbook-watch"><pre>{e(self.summary())}</pre>']
         found = self.findings
         if not found:
             parts.append(f"<p>No finding ({e(_describe(self.thresholds))}).</p>")
@@ -624,7 +652,11 @@ def _compare(before: tuple[str, ...], after: tuple[str, ...]) -> str:
         )
     if len(before) != len(after):
         return f"{len(before)} array arguments before, {len(after)} now"
-    diffs = [f"argument {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(before, after)) if a != b]
+    diffs = [
+        f"argument {i}: {a} -> {b}"
+        for i, (a, b) in enumerate(zip(before, after, strict=False))
+        if a != b
+    ]
     return "; ".join(diffs[:3]) + (" ..." if len(diffs) > 3 else "")
 
 
@@ -641,13 +673,15 @@ def _frames() -> list[types.FrameType]:
 
 def _named(target: object, frames: list[types.FrameType]) -> str:
     for f in frames:
-        where = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+        where = f"{pathlib.Path(f.f_code.co_filename).name}:{f.f_lineno}"
         for k, v in f.f_locals.items():
             if v is target:
                 return f"the {type(v).__name__} `{k}` (a local of {f.f_code.co_name}, {where})"
         for k, v in f.f_globals.items():
             if v is target:
-                return f"the {type(v).__name__} `{k}` (a global of {f.f_globals.get('__name__', '?')})"
+                return (
+                    f"the {type(v).__name__} `{k}` (a global of {f.f_globals.get('__name__', '?')})"
+                )
     return ""
 
 
@@ -760,7 +794,8 @@ def run_spec(
         raise RunbookError("--steps: at least 1")
     try:
         params = [
-            p for p in inspect.signature(main).parameters.values()
+            p
+            for p in inspect.signature(main).parameters.values()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
         ]
     except (TypeError, ValueError):
@@ -768,7 +803,9 @@ def run_spec(
     g: dict[str, Any] | None = getattr(main, "__globals__", None)
     if step_on is not None:
         if g is None or not callable(g.get(step_on)):
-            raise RunbookError(f"--step-on {step_on}: `{spec}`'s module has no function {step_on!r}")
+            raise RunbookError(
+                f"--step-on {step_on}: `{spec}`'s module has no function {step_on!r}"
+            )
     elif not params:
         raise RunbookError(
             f"`{spec}` takes no parameter to receive mark_step: give it one, or name the "
@@ -799,7 +836,7 @@ def run_spec(
                 main(mark_step)
     except RunbookError as e:  # no step marked
         error = str(e)
-    except Exception as e:  # the user's code raised: the record is kept and shown
+    except Exception as e:  # noqa: BLE001 - the user's code raised: the record is kept and shown
         error = f"`{spec}` raised {_one_line(e)}"
     finally:
         if g is not None and step_on is not None:

@@ -9,6 +9,7 @@ each threshold.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,8 +154,10 @@ def live_references(
         return []
     first, last = post[0], post[-1]
     devices = set(first.live_bytes) | set(last.live_bytes)
-    gained = max((last.live_bytes.get(d, 0) - first.live_bytes.get(d, 0) for d in devices), default=0)
-    rose = sum(b.total > a.total for a, b in zip(post, post[1:]))
+    gained = max(
+        (last.live_bytes.get(d, 0) - first.live_bytes.get(d, 0) for d in devices), default=0
+    )
+    rose = sum(b.total > a.total for a, b in itertools.pairwise(post))
     share = rose / (len(post) - 1)
     if gained < t.min_growth or share < t.rising:
         return []
@@ -165,7 +168,11 @@ def live_references(
         f"the live device arrays gained {fmt_bytes(gained)} in the {n} steps after the "
         f"warm-up ({fmt_bytes(gained / n)} per step; they rose in {rose} of {n}), from "
         f"{first.live_arrays} to {last.live_arrays} arrays"
-        + (f"; the arrays added: {', '.join(f'{g.shape} x{g.arrays}' for g in added[:3])}" if added else "")
+        + (
+            f"; the arrays added: {', '.join(f'{g.shape} x{g.arrays}' for g in added[:3])}"
+            if added
+            else ""
+        )
         + (f", held by {held}" if held else "")
     )
     evidence = [
@@ -195,9 +202,7 @@ def recompilation(
     for c in compiles:
         if c.step > t.warmup:
             by_fn.setdefault(c.function, []).append(c)
-    hot = {
-        fn: cs for fn, cs in by_fn.items() if len({c.step for c in cs}) >= t.recompiles
-    }
+    hot = {fn: cs for fn, cs in by_fn.items() if len({c.step for c in cs}) >= t.recompiles}
     if not hot:
         return []
     ranked = sorted(hot.items(), key=lambda kv: (-len(kv[1]), -sum(c.seconds for c in kv[1])))
@@ -231,9 +236,7 @@ def recompilation(
 def constant_folding(compiles: Sequence[Compile], t: Thresholds) -> list[Finding]:
     """One compilation that takes seconds or much host memory (the warm-up included)."""
     slow = [
-        c
-        for c in compiles
-        if c.seconds >= t.slow_compile or (c.host_rise or 0) >= t.compile_host
+        c for c in compiles if c.seconds >= t.slow_compile or (c.host_rise or 0) >= t.compile_host
     ]
     if not slow:
         return []
@@ -248,8 +251,14 @@ def constant_folding(compiles: Sequence[Compile], t: Thresholds) -> list[Finding
         "arrays it closes over) at compile time looks like this"
     )
     evidence = [
-        Buffer(c.host_rise or 0, ", ".join(c.types) or "-", "compile", c.function,
-               f"{c.seconds:.2f} s", c.call_site)
+        Buffer(
+            c.host_rise or 0,
+            ", ".join(c.types) or "-",
+            "compile",
+            c.function,
+            f"{c.seconds:.2f} s",
+            c.call_site,
+        )
         for c in slow
     ]
     return [

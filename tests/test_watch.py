@@ -56,26 +56,33 @@ def _check_link(f: runbook.Finding) -> None:
         assert f.link == f"cases/{f.case}.html#fix"
         assert f.copy in (FIXES[f.case], None)
     else:
-        assert f.link is None and f.copy is None
+        assert f.link is None
+        assert f.copy is None
 
 
 def test_live_references_named_with_what_holds_them():
     w = train(12, 64 * 1024)
     (f,) = w.findings
-    assert f.case == "live-references" and isinstance(f, runbook.Finding)
+    assert f.case == "live-references"
+    assert isinstance(f, runbook.Finding)
     _check_link(f)
     per_step = 64 * 1024 * 4
     assert f.bytes >= 10 * per_step  # ten steps after the two warm-up steps
     (g, *_) = w.growth
-    assert g.shape == "float32[65536]" and g.arrays == 10 and g.bytes == 10 * per_step
-    assert "`history`" in g.holder and "key 'extra'" in g.holder
-    assert "history" in f.detail and "float32[65536] x10" in f.detail
+    assert g.shape == "float32[65536]"
+    assert g.arrays == 10
+    assert g.bytes == 10 * per_step
+    assert "`history`" in g.holder
+    assert "key 'extra'" in g.holder
+    assert "history" in f.detail
+    assert "float32[65536] x10" in f.detail
     assert w.cases == ["live-references"]
 
 
 def test_the_fix_loop_is_silent():
     w = train(12, 64 * 1024, keep="floats")
-    assert w.findings == () and w.growth == []
+    assert w.findings == ()
+    assert w.growth == []
     assert "No finding" in str(w)
 
 
@@ -123,10 +130,12 @@ def test_recompilation_threshold(changes, flagged):
     assert bool(w.findings) is flagged
     if flagged:
         (f,) = w.findings
-        assert f.case == "recompilation" and "batch_step" in f.detail
+        assert f.case == "recompilation"
+        assert "batch_step" in f.detail
         _check_link(f)
     # every compile after the first says what changed: JAX's explanation or the types
-    assert all(c.change for c in ours[1:]) and not ours[0].change
+    assert all(c.change for c in ours[1:])
+    assert not ours[0].change
     assert any(str(17 + changes - 1) in c.change for c in ours[1:])
 
 
@@ -139,7 +148,8 @@ def test_recompilation_on_a_static_argument_is_named():
     (f,) = w.findings
     assert f.case == "recompilation"
     ours = [c for c in w.compiles if "lambda" in c.function]
-    assert len(ours) == 8 and all(c.change for c in ours[1:])
+    assert len(ours) == 8
+    assert all(c.change for c in ours[1:])
     # same argument types: JAX explains the static value, or we say what else changed
     assert all(c.types == ours[0].types for c in ours)
 
@@ -169,7 +179,8 @@ def test_steady_training_loop_is_silent():
             w.step()
     assert w.findings == ()
     assert sum(c.step > 2 for c in w.compiles) == 0
-    assert len(w.records) == 16 and w.steps == 15
+    assert len(w.records) == 16
+    assert w.steps == 15
 
 
 def _fold_loop(n: int, **overrides) -> Watch:
@@ -189,9 +200,11 @@ def _fold_loop(n: int, **overrides) -> Watch:
 def test_constant_folding_named_and_its_threshold():
     w = _fold_loop(2**20, compile_host=16 * 2**20, slow_compile=600.0)
     (c,) = [c for c in w.compiles if "lookup" in c.function]
-    assert c.host_rise is not None and c.host_rise >= 16 * 2**20
+    assert c.host_rise is not None
+    assert c.host_rise >= 16 * 2**20
     (f,) = w.findings
-    assert f.case == "constant-folding" and f.bytes == max(x.host_rise or 0 for x in w.compiles)
+    assert f.case == "constant-folding"
+    assert f.bytes == max(x.host_rise or 0 for x in w.compiles)
     _check_link(f)
     worst = f.bytes
     assert w.findings_for(compile_host=worst + 1) == ()  # just above what it took: silent
@@ -216,27 +229,31 @@ def test_constant_folding_fix_is_silent_under_the_same_thresholds():
 
 
 def test_nothing_happened_is_one_line():
-    with pytest.raises(runbook.RunbookError, match="nothing happened"):
-        with runbook.watch():
-            pass
+    with pytest.raises(runbook.RunbookError, match="nothing happened"), runbook.watch():
+        pass
 
 
 def test_step_never_called_is_one_line():
-    with pytest.raises(runbook.RunbookError, match=r"w\.step\(\) was never called"):
-        with runbook.watch():
-            jnp.arange(5) * 3
+    w = runbook.watch()
+    with pytest.raises(runbook.RunbookError, match=r"w\.step\(\) was never called"), w:
+        jnp.arange(5) * 3
 
 
 def test_the_block_raised_keeps_the_record():
-    w = runbook.watch()
-    with pytest.raises(ValueError, match="bad batch"):
+    def loop(w: Watch) -> None:
         with w:
             for i in range(3):
                 jnp.ones(4) * i
                 w.step()
             raise ValueError("bad batch")
-    assert w.steps == 3 and w.error == "ValueError: bad batch"
-    assert "raised: ValueError: bad batch" in str(w) and "3 steps" in str(w)
+
+    w = runbook.watch()
+    with pytest.raises(ValueError, match="bad batch"):
+        loop(w)
+    assert w.steps == 3
+    assert w.error == "ValueError: bad batch"
+    assert "raised: ValueError: bad batch" in str(w)
+    assert "3 steps" in str(w)
 
 
 def test_misuse_is_one_line():
@@ -244,13 +261,11 @@ def test_misuse_is_one_line():
     with pytest.raises(runbook.RunbookError, match="outside its watch"):
         w.step()
     with watch() as outer:
-        with pytest.raises(runbook.RunbookError, match="do not nest"):
-            with watch():
-                pass
-        outer.step()
-    with pytest.raises(runbook.RunbookError, match="already used"):
-        with outer:
+        with pytest.raises(runbook.RunbookError, match="do not nest"), watch():
             pass
+        outer.step()
+    with pytest.raises(runbook.RunbookError, match="already used"), outer:
+        pass
     with pytest.raises(runbook.RunbookError, match="rising"):
         watch(rising=2.0)
     with pytest.raises(runbook.RunbookError, match="unexpected keyword"):
@@ -270,17 +285,22 @@ def test_flags_and_logging_are_restored(caplog):
 def test_report_renders():
     w = train(8, 64 * 1024)
     text, page = str(w), w._repr_html_()
-    assert "[live-references]" in text and "fix:" in text
-    assert "live-references" in page and "<table" in page
-    assert str(w.table()).count("\n") >= 9 and "function" in str(w.compile_table())
+    assert "[live-references]" in text
+    assert "fix:" in text
+    assert "live-references" in page
+    assert "<table" in page
+    assert str(w.table()).count("\n") >= 9
+    assert "function" in str(w.compile_table())
     data = json.loads(json.dumps(w.to_json()))
-    assert data["cases"] == ["live-references"] and len(data["records"]) == 9
+    assert data["cases"] == ["live-references"]
+    assert len(data["records"]) == 9
     assert data["thresholds"]["warmup"] == Thresholds().warmup
 
 
 def test_overhead_is_measured():
     o = overhead(steps=20, arrays=200, repeats=2)
-    assert o["seconds_with"] > 0 and o["seconds_without"] > 0
+    assert o["seconds_with"] > 0
+    assert o["seconds_without"] > 0
     assert o["live_arrays"] >= 200
     assert o["overhead_seconds"] < 0.05  # reading 200 arrays per step costs milliseconds
 
@@ -334,17 +354,28 @@ def test_cli_callback_names_the_leak(loop_file, capsys):
 
     assert main(["watch", f"{loop_file}:main", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["steps"] == 10 and data["cases"] == ["live-references"]
+    assert data["steps"] == 10
+    assert data["cases"] == ["live-references"]
 
 
 def test_cli_step_on_and_steps(loop_file, capsys):
     from runbook._cli import main
 
-    assert main(["watch", f"{loop_file}:main_no_param", "--step-on", "train_step", "--steps", "6"]) == 0
+    assert (
+        main(["watch", f"{loop_file}:main_no_param", "--step-on", "train_step", "--steps", "6"])
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "6 steps" in out and "No finding" in out
-    module = sys.modules[next(n for n in sys.modules if n.startswith("_runbook_user_") and
-                              getattr(sys.modules[n], "__file__", "") == str(loop_file))]
+    assert "6 steps" in out
+    assert "No finding" in out
+    module = sys.modules[
+        next(
+            n
+            for n in sys.modules
+            if n.startswith("_runbook_user_")
+            and getattr(sys.modules[n], "__file__", "") == str(loop_file)
+        )
+    ]
     assert type(module.train_step).__name__ != "function"  # the jitted function is back
 
 
@@ -374,7 +405,11 @@ def test_cli_bad_input_is_one_line_and_exit_2(loop_file, argv, expected):
 
 
 def test_public_api():
-    assert runbook.watch is watch and runbook.Watch is Watch
-    assert "watch" in runbook.__all__ and "Watch" in runbook.__all__
-    assert watch.__doc__ and Watch.__doc__ and Watch.step.__doc__
+    assert runbook.watch is watch
+    assert runbook.Watch is Watch
+    assert "watch" in runbook.__all__
+    assert "Watch" in runbook.__all__
+    assert watch.__doc__
+    assert Watch.__doc__
+    assert Watch.step.__doc__
     assert functools.reduce(lambda a, f: a and bool(f.__doc__), [Thresholds, overhead], True)
