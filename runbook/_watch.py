@@ -30,7 +30,7 @@ import re
 import sys
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Self
 
 import jax
@@ -75,23 +75,17 @@ def _proc_status(field: str) -> int | None:
     return None
 
 
-def _shape(a: Any) -> str:
-    return f"{a.dtype}[{','.join(map(str, a.shape))}]"
+def _shape(key: tuple[tuple[int, ...], Any]) -> str:
+    """``float32[512,256]`` for a group's key (shape, dtype)."""
+    shape, dtype = key
+    return f"{dtype}[{','.join(map(str, shape))}]"
 
 
-def _per_device(a: Any) -> Iterator[tuple[str, int]]:
-    sharding = a.sharding
-    devices = sharding.device_set
-    if len(devices) == 1:
-        (d,) = devices
-        yield str(d), int(a.nbytes)
-        return
-    shard = sharding.shard_shape(a.shape)
-    size = a.dtype.itemsize
-    for n in shard:
+def _shard_bytes(a: Any) -> int:
+    size = int(a.dtype.itemsize)
+    for n in a.sharding.shard_shape(a.shape):
         size *= n
-    for d in devices:
-        yield str(d), int(size)
+    return size
 
 
 class _LogTap(logging.Filter):
@@ -152,10 +146,10 @@ class Watch:
         self._state = "new"
         self._monitored = 0
         self._t0 = self._last = 0.0
-        self._base: dict[tuple[str, int], tuple[int, int]] = {}
+        self._base: dict[Any, tuple[int, int]] = {}
         self._base_ids: set[int] = set()
-        self._groups: dict[tuple[str, int], tuple[int, int]] = {}
-        self._held: dict[str, str] = {}
+        self._groups: dict[Any, tuple[int, int]] = {}
+        self._held: dict[Any, str] = {}
         self._pending: dict[str, dict[str, Any]] = {}
         self._explained: dict[str, tuple[str, str]] = {}
         self._last_types: dict[str, tuple[str, ...]] = {}
@@ -270,28 +264,35 @@ class Watch:
     def _mark(self, n: int, first: bool = False) -> None:
         now = time.perf_counter()
         arrays = [a for a in jax.live_arrays() if not a.is_deleted()]
-        per_device: dict[str, int] = collections.Counter()
-        groups: dict[tuple[str, int], list[int]] = {}
-        for a in arrays:
-            for d, b in _per_device(a):
-                per_device[d] += b
-            g = groups.setdefault((_shape(a), a.nbytes), [0, 0])
+        per_device: dict[Any, int] = collections.Counter()
+        groups: dict[Any, list[int]] = {}
+        for a in arrays:  # the cost of a mark: keep this loop lean
+            g = groups.get(key := (a.shape, a.dtype))
+            if g is None:
+                g = groups[key] = [0, a.nbytes]  # how many; the bytes of one
             g[0] += 1
-            g[1] += a.nbytes
+            devices = a.sharding.device_set
+            if len(devices) == 1:
+                for d in devices:
+                    per_device[d] += g[1]
+            else:
+                shard = _shard_bytes(a)
+                for d in devices:
+                    per_device[d] += shard
         in_use = {str(d): u for d in jax.local_devices() if (u := self._in_use(d)) is not None}
         step_compiles = sum(c.step == n for c in self.compiles) if n else 0
         self.records.append(
             StepRecord(
                 n,
                 0.0 if first else now - self._last,
-                dict(per_device),
+                {str(d): b for d, b in per_device.items()},
                 len(arrays),
                 in_use or None,
                 _proc_status("VmRSS"),
                 step_compiles,
             )
         )
-        self._groups = {k: (v[0], v[1]) for k, v in groups.items()}
+        self._groups = {k: (count, count * one) for k, (count, one) in groups.items()}
         if first:
             self._start_arrays = {id(a) for a in arrays}
         if n == self.thresholds.warmup:
@@ -306,7 +307,7 @@ class Watch:
     def _arrays_changed(self) -> bool:
         return {id(a) for a in jax.live_arrays()} != self._start_arrays
 
-    def _growing(self) -> list[tuple[tuple[str, int], int, int]]:
+    def _growing(self) -> list[tuple[Any, int, int]]:
         out = []
         for key, (count, size) in self._groups.items():
             c0, s0 = self._base.get(key, (0, 0))
@@ -317,23 +318,21 @@ class Watch:
     def _find_holders(self, arrays: list[Any]) -> None:
         """What holds one array of each growing group (at most three groups, once): one
         made after the warm-up that outlived a step, so not the step's fresh state."""
-        for (shape, nbytes), _, _ in self._growing()[:3]:
-            if shape in self._held:
+        for key, _, _ in self._growing()[:3]:
+            if key in self._held:
                 continue
             new = next(
                 (
                     a
                     for a in reversed(arrays)
-                    if _shape(a) == shape
-                    and a.nbytes == nbytes
+                    if id(a) in self._prev_ids
                     and id(a) not in self._base_ids
-                    and id(a) in self._prev_ids
+                    and (a.shape, a.dtype) == key
                 ),
                 None,
             )
-            if new is None:
-                continue
-            self._held[shape] = _holder(new, exclude={id(arrays)})
+            if new is not None:
+                self._held[key] = _holder(new, exclude={id(arrays)})
 
     @property
     def growth(self) -> list[Growth]:
@@ -341,8 +340,8 @@ class Watch:
         if not self._base:
             return []
         return [
-            Growth(shape, count, size, self._held.get(shape, ""))
-            for (shape, _), count, size in self._growing()
+            Growth(_shape(key), count, size, self._held.get(key, ""))
+            for key, count, size in self._growing()
         ]
 
     # -- JAX's compile log ----------------------------------------------------------------------
