@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _watch(spec: str, steps: int | None, step_on: str | None, as_json: bool) -> int:
-    from ._watch import run_spec
+    from ._watch_run import run_spec
 
     w, error = run_spec(spec, steps=steps, step_on=step_on)
     print(json.dumps(w.to_json(), indent=1) if as_json else w)  # what was recorded, always

@@ -16,8 +16,9 @@ import pytest
 
 import runbook
 from runbook._case import case_names
-from runbook._watch import Watch, overhead, watch
+from runbook._watch import Watch, watch
 from runbook._watch_rules import FIXES, Thresholds
+from runbook._watch_run import overhead
 
 
 @pytest.fixture(autouse=True, scope="module")
