@@ -87,7 +87,7 @@ class _LogTap(logging.Filter):
     """On JAX's loggers while a watch runs: reads the compile log, and keeps it off the
     user's console unless the user had asked for it."""
 
-    def __init__(self, watch: Watch, passthrough: bool) -> None:
+    def __init__(self, watch: Watch, passthrough: set[str]) -> None:
         super().__init__()
         self.watch, self.passthrough = watch, passthrough
 
@@ -97,7 +97,7 @@ class _LogTap(logging.Filter):
         except Exception:  # noqa: BLE001 - a malformed record is not ours to judge
             return True
         ours = self.watch._read_log(message)
-        return self.passthrough or not ours
+        return ours is None or ours in self.passthrough
 
 
 def _monitor(event: str, duration_secs: float, **kwargs: str | int) -> None:
@@ -162,7 +162,6 @@ class Watch:
         if _ACTIVE is not None:
             raise RunbookError("another runbook.watch() is running: watches do not nest")
         _listen()
-        passthrough = False
         for flag in _FLAGS:
             try:
                 self._flags[flag] = bool(getattr(jax.config, flag))
@@ -176,7 +175,7 @@ class Watch:
                         else "no explanation of why a function compiled again (argument types compared instead)"
                     )
                 )
-        passthrough = self._flags.get("jax_log_compiles", False)
+        passthrough = {flag for flag, was_on in self._flags.items() if was_on}
         names = [n for n in logging.Logger.manager.loggerDict if n == "jax" or n.startswith("jax.")]
         for name in names:
             logger = logging.getLogger(name)
@@ -344,8 +343,9 @@ class Watch:
     def _step_now(self) -> int:
         return len(self.records)
 
-    def _read_log(self, message: str) -> bool:
-        """Read one of JAX's log messages; True when it is compile chatter we asked for."""
+    def _read_log(self, message: str) -> str | None:
+        """Read one of JAX's log messages; the option that made it, when it is one of the
+        records the watch turned on (else None: not ours)."""
         if m := _MISS.match(message):
             body = m.group(2)
             fn = _MISS_FN.search(body)
@@ -355,7 +355,7 @@ class Watch:
             if "never seen function" in body:
                 why = ["first call"]
             self._explained[name] = (m.group(1).strip(), " ".join(why))
-            return True
+            return "jax_explain_cache_misses"
         if m := _COMPILING.match(message):
             name = _short(m.group(1))
             self._pending[name] = {
@@ -365,7 +365,7 @@ class Watch:
                 "rss": _proc_status("VmRSS"),
                 "step": self._step_now(),
             }
-            return True
+            return "jax_log_compiles"
         if m := _FINISHED.match(message):
             name = _short(m.group(1))
             pending = self._pending.pop(name, None) or {
@@ -377,8 +377,8 @@ class Watch:
             }
             pending["function"] = m.group(1)
             self._finish(name, float(m.group(2)), pending)
-            return True
-        return message.startswith(_CHATTER)
+            return "jax_log_compiles"
+        return "jax_log_compiles" if message.startswith(_CHATTER) else None
 
     def _finish(self, name: str, seconds: float, pending: dict[str, Any]) -> None:
         types_ = pending["types"]

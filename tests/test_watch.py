@@ -414,3 +414,17 @@ def test_public_api():
     assert Watch.__doc__
     assert Watch.step.__doc__
     assert functools.reduce(lambda a, f: a and bool(f.__doc__), [Thresholds, overhead], True)
+
+
+def test_a_users_own_compile_log_still_reaches_them(caplog):
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with watch() as w:
+            jax.jit(lambda x: x * 7)(jnp.ones(3))
+            w.step()
+        assert jax.config.jax_log_compiles
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert [r for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert not [r for r in caplog.records if "TRACING CACHE MISS" in r.getMessage()]
+    assert w.compiles
