@@ -27,15 +27,15 @@ def _frames() -> list[types.FrameType]:
 
 def _named(target: object, frames: list[types.FrameType]) -> str:
     for f in frames:
-        where = f"{pathlib.Path(f.f_code.co_filename).name}:{f.f_lineno}"
+        file = pathlib.Path(f.f_code.co_filename).name
+        top = f.f_code.co_name == "<module>"  # a script's or a notebook's top level
         for k, v in f.f_locals.items():
             if v is target:
-                return f"the {type(v).__name__} `{k}` (a local of {f.f_code.co_name}, {where})"
+                what = "a top-level variable" if top else f"a local of {f.f_code.co_name}, {file}"
+                return f"the {type(v).__name__} `{k}` ({what})"
         for k, v in f.f_globals.items():
             if v is target:
-                return (
-                    f"the {type(v).__name__} `{k}` (a global of {f.f_globals.get('__name__', '?')})"
-                )
+                return f"the {type(v).__name__} `{k}` (a global of {file})"
     return ""
 
 
