@@ -47,6 +47,9 @@ _MISS = re.compile(
     r"^TRACING CACHE MISS at (.+?)(?: costing [^\n]*?)?(?: because)?:\n(.*)", re.DOTALL
 )
 _MISS_FN = re.compile(r"(?:for (\S+) defined at|never seen function:\s*\n\s*(\S+) id=)")
+_STATIC = re.compile(
+    r"at input path (\S+), now .*?Static\(val=(.*?)\) and before .*?Static\(val=(.*?)\)"
+)
 _TYPE = re.compile(r"ShapedArray\(([^)]*)\)")
 _CHATTER = ("Finished tracing", "Finished jaxpr to MLIR", "Finished XLA compilation", "Compiling ")
 
@@ -395,8 +398,10 @@ class Watch:
         before = self._last_types.get(name)
         if before is None:
             change = ""
-        elif why and why != "first call":
-            change = why
+        elif why and why != "first call" and "unavailable" not in why:
+            change = why  # JAX's own words: which argument, before and now
+            if m := _STATIC.search(why):  # a static argument, said shorter
+                change = f"static argument at {m.group(1)}: {m.group(3)} -> {m.group(2)}"
         else:
             change = _compare(before, types_)
         self._last_types[name] = types_

@@ -150,7 +150,9 @@ def test_recompilation_on_a_static_argument_is_named():
     assert f.case == "recompilation"
     ours = [c for c in w.compiles if "lambda" in c.function]
     assert len(ours) == 8
-    assert all(c.change for c in ours[1:])
+    # JAX names the static value (0.10) or cannot explain the miss (0.12): either way the
+    # change says a static argument
+    assert all("static argument" in c.change for c in ours[1:])
     # same argument types: JAX explains the static value, or we say what else changed
     assert all(c.types == ours[0].types for c in ours)
 
