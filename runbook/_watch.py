@@ -353,8 +353,7 @@ class Watch:
             body = m.group(2)
             fn = _MISS_FN.search(body)
             name = _short(next((g for g in fn.groups() if g), "")) if fn else ""
-            lines = [ln.strip() for ln in body.splitlines() if ln.strip()]
-            why = [ln for ln in lines if ln.startswith("*")] or lines[-1:]
+            why = _reasons(body)
             if "never seen function" in body:
                 why = ["first call"]
             self._explained[name] = (m.group(1).strip(), " ".join(why))
@@ -641,6 +640,21 @@ def _one_line(error: BaseException) -> str:
     text = str(error).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def _reasons(body: str) -> list[str]:
+    """The reasons a cache-miss record gives: each ``* ...`` item with its continuation
+    lines, repeats dropped, the last two (releases list one item per argument, or one per
+    previous key); the last line when there is no item."""
+    items: list[str] = []
+    lines = [ln for ln in body.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.strip().startswith("*"):
+            items.append(ln.strip())
+        elif items and len(ln) - len(ln.lstrip()) > 4:
+            items[-1] += " " + ln.strip()
+    items = list(dict.fromkeys(items))[-2:]
+    return items or [lines[-1].strip()] if lines else []
 
 
 def _compare(before: tuple[str, ...], after: tuple[str, ...]) -> str:
