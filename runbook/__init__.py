@@ -39,6 +39,8 @@ _PUBLIC = {
     "get_case": "_case",
     "measure_case": "_case",
     "verify": "_case",
+    "Watch": "_watch",
+    "watch": "_watch",
     "Diagnosis": "_diagnose",
     "Finding": "_diagnose",
     "diagnose": "_diagnose",
@@ -105,6 +107,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and editors
     from ._spec import Case, Variant
     from ._subprocess import ChildCrashed
     from ._targets import Target, get_target, target_devices, targets
+    from ._watch import Watch, watch
 
 __version__ = "0.1.0"
 
@@ -124,6 +127,7 @@ __all__ = [
     "Target",
     "UnknownNameError",
     "Variant",
+    "Watch",
     "WontFitError",
     "__version__",
     "buffer_table",
@@ -145,5 +149,6 @@ __all__ = [
     "target_devices",
     "targets",
     "verify",
+    "watch",
     "xla_usage_report_total",
 ]

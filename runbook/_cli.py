@@ -1,4 +1,4 @@
-"""``python -m runbook``: list the cases, measure one, diagnose your own function."""
+"""``python -m runbook``: list the cases, measure one, diagnose or watch your own code."""
 
 from __future__ import annotations
 
@@ -51,6 +51,24 @@ def _parser() -> argparse.ArgumentParser:
         help=f"compile for this device and say whether it fits: {', '.join(target_names())}",
     )
     diag.add_argument("--json", action="store_true", help="print one JSON object")
+    watch = sub.add_parser(
+        "watch",
+        help="run your own training loop under runbook.watch: what grows, what recompiles",
+        description="Run path/to/file.py:main under runbook.watch and print what grew, what "
+        "compiled, and the fixes. A step is marked by a callback: when main takes a "
+        "parameter, it is called as main(mark_step) and calls mark_step() once per step; "
+        "otherwise --step-on NAME wraps the module-level function NAME of that file (e.g. "
+        "your jitted train step) so that each call marks a step.",
+    )
+    watch.add_argument("function", help="path/to/file.py:main")
+    watch.add_argument("--steps", type=int, help="stop after this many steps")
+    watch.add_argument(
+        "--step-on",
+        metavar="NAME",
+        help="a module-level function of the file, called once per step (main then takes "
+        "no parameter); main must look it up by name when it calls it",
+    )
+    watch.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -74,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(diagnosis.to_json(), indent=1) if args.json else diagnosis)
             return 0
 
+        if args.command == "watch":
+            return _watch(args.function, args.steps, args.step_on, args.json)
+
         def progress(line: str) -> None:
             if not args.quiet:
                 print(line, file=sys.stderr, flush=True)
@@ -89,6 +110,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result.to_json(), indent=1))
     else:
         _print_result(result, args.scale)
+    return 0
+
+
+def _watch(spec: str, steps: int | None, step_on: str | None, as_json: bool) -> int:
+    from ._watch_run import run_spec
+
+    w, error = run_spec(spec, steps=steps, step_on=step_on)
+    print(json.dumps(w.to_json(), indent=1) if as_json else w)  # what was recorded, always
+    if error:
+        print(f"runbook: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
