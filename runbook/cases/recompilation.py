@@ -277,8 +277,8 @@ CASE = Case(
     "each step is slow",
     devices=1,
     scales={
-        "seed": {"calls": 24, "features": 128, "hidden": 512, "outputs": 128},
-        "issue": {"calls": 200, "features": 128, "hidden": 512, "outputs": 128},
+        "seed": {"calls": 24, "features": 256, "hidden": 2048, "outputs": 256},
+        "issue": {"calls": 200, "features": 256, "hidden": 2048, "outputs": 256},
         "tiny": {"calls": 8, "features": 16, "hidden": 32, "outputs": 8},
     },
     variants=(
