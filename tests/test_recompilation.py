@@ -24,7 +24,9 @@ CALLS = SEED["calls"]
 
 
 def _cpu_seconds() -> float:
-    own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    own, children = (
+        resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
@@ -72,7 +74,8 @@ def test_compilations_follow_the_distinct_keys(figures):
 def test_growth_follows_the_compilations(seed):
     result = seed[0]
     points = page.checkpoints(result, "each-shape")
-    assert points[0][0] == 1 and points[-1][0] == CALLS
+    assert points[0][0] == 1
+    assert points[-1][0] == CALLS
     assert [c for _, c, _ in points] == [i for i, _, _ in points]  # one compile per step
     assert points[-1][2] > points[len(points) // 2][2] > 0
     flat = page.checkpoints(result, "traced-static")
@@ -140,7 +143,9 @@ def test_buckets_and_padding():
     assert [bucket(r) for r in (1, 2, 3, 5, 8, 9, 24)] == [1, 2, 4, 8, 8, 16, 32]
     x = np.ones((5, 3), np.float32)
     padded = recompilation.pad_rows(x, 8)
-    assert padded.shape == (8, 3) and padded[5:].sum() == 0 and padded[:5].sum() == 15
+    assert padded.shape == (8, 3)
+    assert padded[5:].sum() == 0
+    assert padded[:5].sum() == 15
     assert sorted(row_counts(7)) == list(range(1, 8))
     needed = recompilation.rows_needed("bucketed", CALLS, CALLS)
     assert needed == CALLS * (CALLS + 1) // 2
@@ -153,7 +158,7 @@ def test_watched_loop_marks_each_step_and_compiles_per_new_shape():
     for variant, expected in (("each-shape", 4), ("traced-static", 0)):
         marks = []
         before = page.compiles()
-        page.watched_loop(variant, 5, lambda: marks.append(page.compiles()))
+        page.watched_loop(variant, 5, lambda marks=marks: marks.append(page.compiles()))
         assert len(marks) == 5
         assert marks[0] > before  # the first step compiled (putting the weights may, too)
         assert marks[-1] - marks[0] == expected, variant  # each later step: a new shape
@@ -237,5 +242,6 @@ def test_cli_json_prints_the_figures(seed, capsys):
     assert set(got) == {v.name for v in CASE.variants}
     for f in got.values():
         assert set(f) == set(page.FIGURES)
-        assert isinstance(f["compile_count"], int) and isinstance(f["loop_seconds"], float)
+        assert isinstance(f["compile_count"], int)
+        assert isinstance(f["loop_seconds"], float)
     assert got["each-shape"][KEY] / got[page.RECOMMENDED][KEY] >= 1.5

@@ -262,7 +262,7 @@ def _traced_args(
 
 def floor_bytes(scale: Mapping[str, Any], rows: int) -> int:
     """What one step must hold at the least: the weights, a batch of `rows` rows, the loss."""
-    f, h, o = scale["features"], scale["hidden"], scale["outputs"]
+    f, h, o = int(scale["features"]), int(scale["hidden"]), int(scale["outputs"])
     return 4 * (f * h + h * o + rows * f + 1)
 
 

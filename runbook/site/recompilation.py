@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -85,13 +85,16 @@ def _available() -> int:
 _COMPILES: list[str] = []
 
 
+def _listen(event: str, duration_secs: float, **kwargs: str | int) -> None:
+    if "backend_compile" in event:
+        _COMPILES.append(event)
+
+
 def _count_compiles() -> None:
     """Count backend compilations from here on (one listener per process)."""
     if not _COMPILES:
         _COMPILES.append("listening")
-        jax.monitoring.register_event_duration_secs_listener(
-            lambda name, *a, **k: _COMPILES.append(name) if "backend_compile" in name else None
-        )
+        jax.monitoring.register_event_duration_secs_listener(_listen)
 
 
 def compiles() -> int:
@@ -305,7 +308,7 @@ def growth_chart(result: CaseResult) -> Figure:
     left.set_title("x: after jax.clear_caches()", fontsize=9)
     fig.suptitle(f"{result.provenance.label()}, scale {result.scale!r}", fontsize=9)
     fig.tight_layout()
-    return cast("Figure", fig)
+    return fig
 
 
 def explain_misses(steps: int = 3) -> dict[str, str]:
