@@ -68,6 +68,8 @@ EXECUTABLE_BOUND = 8 * 2**20
 # Steps of a loop after which its resident set is read (settled: collected and trimmed,
 # about 0.1 s each), besides the first; the trace marks the others -1.
 CHECKPOINTS = 6
+# Keys each variant's step is compiled at before its loop (`warm_up`).
+WARM_UPS = 3
 
 
 def _settle() -> int:
@@ -111,17 +113,32 @@ def _guard(scale: Mapping[str, Any]) -> None:
         )
 
 
+def _private_step(variant: str) -> Callable[..., Any]:
+    """`variant`'s jitted step over a function of its own: the same program, another cache
+    (JAX keys its caches on the Python function, so the loop's step shares nothing)."""
+    if variant == "each-shape":
+        return jax.jit(lambda params, x: recompilation.loss(params, x))
+    if variant == "bucketed":
+        return jax.jit(lambda params, x, n: recompilation.masked_loss(params, x, n))
+    return jax.jit(
+        lambda params, x, temperature: recompilation.scaled_loss(params, x, temperature),
+        static_argnames="temperature" if variant == "each-static" else (),
+    )
+
+
 def warm_up(variant: str, scale: Mapping[str, Any], weights: Mapping[str, jax.Array]) -> None:
-    """Compile and run `variant`'s step once, on a jitted function of its own and at a key
-    its loop never uses (a batch of more rows than any bucket, a temperature off the
-    schedule): what the process pays once for its first such program (the runtime, the
-    compiler's first use of each operation) is then paid before the loop is measured."""
-    rows = 2 * bucket(scale["calls"]) + 1
-    x = recompilation.batches(scale, [rows], seed=3)
+    """Run `variant`'s loop for `WARM_UPS` steps on a step of its own (`_private_step`): the
+    smallest row counts, or temperatures off the schedule. What a process pays once for its
+    first programs of a kind (the compiler's and the runtime's code and pools for small
+    shapes: about 8 MiB on CPU) is then paid before the loop is measured, and the loop still
+    compiles every key itself."""
+    step = _private_step(variant)
+    run = recompilation.LOOPS[variant]
     if variant in ("each-shape", "bucketed"):
-        recompilation.LOOPS[variant](recompilation.make_step(variant), weights, x)
+        run(step, weights, recompilation.batches(scale, list(range(1, WARM_UPS + 1)), seed=3))
     else:
-        recompilation.LOOPS[variant](recompilation.make_step(variant), weights, x, [0.5])
+        x = recompilation.batches(scale, [scale["calls"]] * WARM_UPS, seed=3)
+        run(step, weights, x, [0.5**i for i in range(1, WARM_UPS + 1)])
 
 
 def _loop_json(variant: str, scale: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
