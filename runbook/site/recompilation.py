@@ -479,9 +479,12 @@ def reports_table(result: CaseResult) -> Table:
             f"compilations, {_cleared(b)} by {int(b['compile_count'])}"
         ),
         (
-            f"a new float static each step: {int(st['compile_count'])} compilations, "
-            f"+{fmt_bytes(st[KEY_FIGURE])}; traced: {int(tr['compile_count'])}, "
-            f"+{fmt_bytes(tr[KEY_FIGURE])}"
+            f"{int(e['compile_count'])} compilations in {e['loop_seconds']:.2f} s (the same "
+            f"loop cached: {e['rerun_seconds']:.3f} s), "
+            f"{fmt_bytes(e[KEY_FIGURE] / max(e['compile_count'], 1))} resident each; a new "
+            f"float static each step: {int(st['compile_count'])} compilations, "
+            f"+{fmt_bytes(st[KEY_FIGURE])} (traced: {int(tr['compile_count'])}, "
+            f"+{fmt_bytes(tr[KEY_FIGURE])})"
         ),
     ]
     return cited_reports_table(
@@ -628,7 +631,8 @@ def claims(
     found.append(
         Claim(
             "static-identity",
-            "A static argument equal to the last one hits the cache.",
+            "A static argument with the same contents as the last one hits the cache, "
+            "whatever its type.",
             verdict(objects["identity"] == 1),
             f"{objects['steps']} steps, each with new settings of the same contents: "
             f"{objects['identity']} compilations when they hash by identity (a plain class), "
