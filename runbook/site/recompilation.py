@@ -56,7 +56,8 @@ FIGURES = {
     "rerun_seconds": "the same loop again, every executable cached (the compute alone)",
     "rows_count": "rows the loop computed, padding included",
     "rss_deleted": "resident after deleting the jitted function (no clear_caches())",
-    "rss_cleared": "resident after jax.clear_caches() (-1: this JAX has none)",
+    "rss_cleared": "resident after jax.clear_caches() (as rss_deleted where this JAX has none)",
+    "clear_caches_count": "jax.clear_caches() calls made (0: this JAX has none)",
 }
 
 RECOMMENDED = CASE.recommended or "bucketed"
@@ -66,7 +67,7 @@ PAIRS = (("each-shape", RECOMMENDED), ("each-static", "traced-static"))
 # 2 MiB measured on CPU): a scale whose loop could pass half the free memory is refused.
 EXECUTABLE_BOUND = 8 * 2**20
 # Steps of a loop after which its resident set is read (settled: collected and trimmed,
-# about 0.1 s each), besides the first; the trace marks the others -1.
+# about 0.1 s each), besides the first; the trace marks the others None.
 CHECKPOINTS = 6
 # Keys each variant's step is compiled at before its loop (`warm_up`).
 WARM_UPS = 3
@@ -154,7 +155,7 @@ def _loop_json(variant: str, scale: dict[str, Any], params: dict[str, Any]) -> d
     step = recompilation.make_step(variant)
     inputs = recompilation.loop_inputs(variant, scale, calls)
     base, before = _settle(), compiles()
-    trace: list[list[int]] = []
+    trace: list[list[int | None]] = []
     every = max(calls // CHECKPOINTS, 1)
     marking = [0.0]  # seconds spent reading the resident set, left out of the loop's
 
@@ -164,7 +165,7 @@ def _loop_json(variant: str, scale: dict[str, Any], params: dict[str, Any]) -> d
             trace.append([compiles() - before, _settle() - base])
             marking[0] += time.perf_counter() - t
         else:
-            trace.append([compiles() - before, -1])
+            trace.append([compiles() - before, None])
 
     start = time.perf_counter()
     run(step, weights, *inputs, on_step=mark)
@@ -181,11 +182,10 @@ def _loop_json(variant: str, scale: dict[str, Any], params: dict[str, Any]) -> d
     del step
     figures["rss_deleted"] = _settle() - base
     clear = getattr(jax, "clear_caches", None)
-    if clear is None:
-        figures["rss_cleared"] = -1
-    else:
+    figures["clear_caches_count"] = 0 if clear is None else 1
+    if clear is not None:
         clear()
-        figures["rss_cleared"] = _settle() - base
+    figures["rss_cleared"] = _settle() - base  # may be below the start: pages given back
     return {"figures": figures, "trace": trace}
 
 
@@ -238,21 +238,31 @@ def figures_of(result: CaseResult, name: str) -> Mapping[str, float]:
     return found[0].figures
 
 
-def trace(result: CaseResult, name: str) -> list[list[int]]:
-    """Variant `name`'s ``[compilations, resident growth]`` after each step of its loop."""
+def trace(result: CaseResult, name: str) -> list[list[int | None]]:
+    """Variant `name`'s ``[compilations, resident growth]`` after each step of its loop
+    (growth None where the loop did not read it)."""
     r = result.one(name)
-    got: list[list[int]] = loop_run(name, CASE.scale(result.scale), r.params)["trace"]
+    got: list[list[int | None]] = loop_run(name, CASE.scale(result.scale), r.params)["trace"]
     return got
 
 
 def checkpoints(result: CaseResult, name: str) -> list[tuple[int, int, int]]:
     """Variant `name`'s ``(step, compilations, resident growth)`` where its loop read the
     resident set (the first step and every ``calls // CHECKPOINTS``-th)."""
-    return [(i + 1, c, g) for i, (c, g) in enumerate(trace(result, name)) if g >= 0]
+    found = []
+    for i, (c, g) in enumerate(trace(result, name)):
+        if c is not None and g is not None:
+            found.append((i + 1, c, g))
+    return found
+
+
+def _signed(n: float) -> str:
+    """Bytes with their sign: a resident set can end below where it started."""
+    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
 
 
 def _cleared(f: Mapping[str, float]) -> str:
-    return "no jax.clear_caches()" if f["rss_cleared"] < 0 else fmt_bytes(f["rss_cleared"])
+    return "no jax.clear_caches()" if not f["clear_caches_count"] else fmt_bytes(f["rss_cleared"])
 
 
 def figures_table(result: CaseResult) -> Table:
@@ -314,7 +324,7 @@ def growth_chart(result: CaseResult) -> Figure:
         growth = [g / 2**20 for _, _, g in points]
         line = left.plot([i for i, _, _ in points], growth, marker="o", label=r.name)[0]
         right.plot([c for _, c, _ in points], growth, marker="o", label=r.name)
-        if r.figures["rss_cleared"] >= 0:
+        if r.figures["clear_caches_count"]:
             left.plot([points[-1][0]], [r.figures["rss_cleared"] / 2**20], marker="x",
                       markersize=10, color=line.get_color())  # fmt: skip
     left.set_xlabel("steps (each-shape: a new row count each step)")
@@ -463,7 +473,7 @@ def reports_table(result: CaseResult) -> Table:
     ours = [
         (
             f"{s['calls']} row counts: {int(e['compile_count'])} compilations, "
-            f"resident +{fmt_bytes(e[KEY_FIGURE])} (+{fmt_bytes(half[2])} after {half[0]} steps)"
+            f"resident {_signed(e[KEY_FIGURE])} ({_signed(half[2])} after {half[0]} steps)"
         ),
         (
             f"after deleting the jitted function: {fmt_bytes(e['rss_deleted'])} of "
@@ -483,8 +493,8 @@ def reports_table(result: CaseResult) -> Table:
             f"loop cached: {e['rerun_seconds']:.3f} s), "
             f"{fmt_bytes(e[KEY_FIGURE] / max(e['compile_count'], 1))} resident each; a new "
             f"float static each step: {int(st['compile_count'])} compilations, "
-            f"+{fmt_bytes(st[KEY_FIGURE])} (traced: {int(tr['compile_count'])}, "
-            f"+{fmt_bytes(tr[KEY_FIGURE])})"
+            f"{_signed(st[KEY_FIGURE])} (traced: {int(tr['compile_count'])}, "
+            f"{_signed(tr[KEY_FIGURE])})"
         ),
     ]
     return cited_reports_table(
@@ -537,21 +547,21 @@ def claims(
             "Every executable stays cached: host memory grows with the number of distinct "
             "shapes (jax-ml/jax#2072, #16778).",
             verdict(end[2] > half[2] and e[KEY_FIGURE] >= 1.5 * b[KEY_FIGURE]),
-            f"resident +{fmt_bytes(half[2])} after {half[1]} shapes, +{fmt_bytes(end[2])} "
+            f"resident {_signed(half[2])} after {half[1]} shapes, {_signed(end[2])} "
             f"after {end[1]}; bucketed ({int(b['compile_count'])} compilations): "
-            f"+{fmt_bytes(b[KEY_FIGURE])}.",
+            f"{_signed(b[KEY_FIGURE])}.",
         ),
         Claim(
             "delete-frees",
             "Dropping the jitted function gives its executables' memory back (jax-ml/jax#7930 "
             "expected it).",
             verdict(e[KEY_FIGURE] - e["rss_deleted"] >= 0.5 * excess),
-            f"resident +{fmt_bytes(e[KEY_FIGURE])} after the loop, "
-            f"+{fmt_bytes(e['rss_deleted'])} after deleting the jitted function and "
+            f"resident {_signed(e[KEY_FIGURE])} after the loop, "
+            f"{_signed(e['rss_deleted'])} after deleting the jitted function and "
             "collecting: the Python function it wraps (`loss`, a module's) is still alive.",
         ),
     ]
-    if e["rss_cleared"] < 0:
+    if not e["clear_caches_count"]:
         found.append(
             Claim(
                 "clear-caches",
@@ -567,15 +577,15 @@ def claims(
                 "clear-caches",
                 "jax.clear_caches() frees memory the cached executables held (jax-ml/jax#10828).",
                 verdict(e["rss_deleted"] - e["rss_cleared"] >= 0.25 * excess),
-                f"+{fmt_bytes(e['rss_deleted'])} before it, +{fmt_bytes(e['rss_cleared'])} "
+                f"{_signed(e['rss_deleted'])} before it, {_signed(e['rss_cleared'])} "
                 f"after ({fmt_bytes(e['rss_deleted'] - e['rss_cleared'])} given back).",
             ),
             Claim(
                 "clear-caches-leaves",
                 "Some of the growth stays even after jax.clear_caches() (jax-ml/jax#19429).",
                 verdict(left >= 0.1 * excess),
-                f"after clear_caches(): +{fmt_bytes(e['rss_cleared'])} left by "
-                f"{int(e['compile_count'])} compilations against +{fmt_bytes(b['rss_cleared'])} "
+                f"after clear_caches(): {_signed(e['rss_cleared'])} left by "
+                f"{int(e['compile_count'])} compilations against {_signed(b['rss_cleared'])} "
                 f"by {int(b['compile_count'])}: {fmt_bytes(left)} more, "
                 f"{left / max(excess, 1):.0%} of the extra growth.",
             ),
@@ -592,13 +602,13 @@ def claims(
             "A float static argument compiles once per value.",
             verdict(st["compile_count"] == calls),
             f"{calls} temperatures: {int(st['compile_count'])} compilations, "
-            f"+{fmt_bytes(st[KEY_FIGURE])} resident.",
+            f"{_signed(st[KEY_FIGURE])} resident.",
         ),
         Claim(
             "traced-once",
             "Passed as an array argument, the same value compiles once.",
             verdict(tr["compile_count"] == 1),
-            f"{int(tr['compile_count'])} compilation, +{fmt_bytes(tr[KEY_FIGURE])} resident "
+            f"{int(tr['compile_count'])} compilation, {_signed(tr[KEY_FIGURE])} resident "
             f"({st[KEY_FIGURE] / max(tr[KEY_FIGURE], 1):.1f}x less than static).",
         ),
         Claim(
@@ -606,8 +616,8 @@ def claims(
             "Padding to power-of-two buckets bounds the compilations to one per bucket.",
             verdict(b["compile_count"] == buckets),
             f"row counts 1 to {calls}: {buckets} buckets, {int(b['compile_count'])} "
-            f"compilations; resident +{fmt_bytes(b[KEY_FIGURE])} against "
-            f"+{fmt_bytes(e[KEY_FIGURE])} unpadded ({e[KEY_FIGURE] / b[KEY_FIGURE]:.1f}x).",
+            f"compilations; resident {_signed(b[KEY_FIGURE])} against "
+            f"{_signed(e[KEY_FIGURE])} unpadded ({e[KEY_FIGURE] / b[KEY_FIGURE]:.1f}x).",
         ),
         Claim(
             "padding-free",
