@@ -34,6 +34,7 @@ _CASES = {
     "attention-scores": "runbook.cases.attention_scores",
     "sharding-replicated": "runbook.cases.sharding_replicated",
     "live-references": "runbook.cases.live_references",
+    "recompilation": "runbook.cases.recompilation",
 }
 
 
