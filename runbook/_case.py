@@ -33,6 +33,7 @@ _CASES = {
     "inplace-copy": "runbook.cases.inplace_copy",
     "attention-scores": "runbook.cases.attention_scores",
     "sharding-replicated": "runbook.cases.sharding_replicated",
+    "constant-folding": "runbook.cases.constant_folding",
 }
 
 
