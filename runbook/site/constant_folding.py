@@ -196,7 +196,7 @@ def _sweep_json(sizes: list[list[int]]) -> list[dict[str, Any]]:
     return rows
 
 
-SWEEP = [[256, 4096], [512, 4096], [1024, 4096]]
+SWEEP = [[256, 4096], [1024, 4096]]
 
 
 def sweep(sizes: list[list[int]] | None = None) -> list[dict[str, Any]]:
