@@ -23,7 +23,6 @@ import numpy as np
 
 from .._spec import Case, Variant
 
-
 TERMS = 4  # terms summed per entry of the table
 
 

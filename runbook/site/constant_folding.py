@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import statistics
 import subprocess
 import tempfile
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _cache, _subprocess
-from .._case import CaseResult, measure_case
+from .._case import CaseResult
 from .._claims import Claim, verdict
 from .._errors import RunbookError
 from .._measure import MemoryReport, measure
@@ -27,7 +28,6 @@ from .._pages import cited_reports_table
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
 from .._spec import Variant
-from ..cases import constant_folding
 from ..cases.constant_folding import CASE, floor_bytes, table_bytes
 
 if TYPE_CHECKING:
@@ -123,7 +123,8 @@ def _run_figures_json(
     _reset_peak()
     with _stderr_to(log):
         start = time.perf_counter()
-        compiled = v.program(params).lower(*args).compile()
+        jitted: Any = v.program(params)
+        compiled = jitted.lower(*args).compile()
         seconds = time.perf_counter() - start
     figures: dict[str, float] = {
         "compile_seconds": seconds,
@@ -136,7 +137,7 @@ def _run_figures_json(
     for _ in range(CALLS):
         del out
         start = time.perf_counter()
-        out = jax.block_until_ready(compiled(*args))
+        jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     figures["rss_run_peak"] = _status("VmHWM") - base
     figures["run_seconds"] = statistics.median(times)
@@ -153,7 +154,8 @@ def run_figures(
     ``unfinished_count`` 1.
     """
     with tempfile.TemporaryDirectory() as folder:
-        log = os.path.join(folder, "stderr.txt")
+        path = pathlib.Path(folder) / "stderr.txt"
+        log = str(path)
         start = time.perf_counter()
         try:
             figures: dict[str, float] = _subprocess.call(
@@ -167,10 +169,7 @@ def run_figures(
             figures["unfinished_count"] = 0
         except subprocess.TimeoutExpired:
             figures = {"compile_seconds": time.perf_counter() - start, "unfinished_count": 1}
-        text = ""
-        if os.path.exists(log):
-            with open(log, errors="replace") as f:
-                text = f.read()
+        text = path.read_text(errors="replace") if path.exists() else ""
     figures["fold_warning_count"] = warnings_in(text)
     return figures
 
@@ -189,7 +188,8 @@ def _sweep_json(sizes: list[list[int]]) -> list[dict[str, Any]]:
             base = _settle()
             _reset_peak()
             start = time.perf_counter()
-            v.program(s).lower(*args).compile()
+            jitted: Any = v.program(s)
+            jitted.lower(*args).compile()
             seconds = time.perf_counter() - start
             rows.append({"name": name, "elements": r * c, "table": table_bytes(s),
                          "compile_seconds": seconds, "rss_compile_peak": _status("VmHWM") - base})  # fmt: skip
@@ -311,15 +311,23 @@ def reports_table(result: CaseResult, cheap: Mapping[str, int]) -> Table:
         else "jax.jit takes no compiler_options in this JAX"
     )
     ours = [
-        f"compile {_cell(r, 'compile_seconds')} with the table built inside jit, "
-        f"{_cell(e, 'compile_seconds')} with it built from an argument",
-        f"resident peak while compiling {fmt_bytes(r['rss_compile_peak'])} against "
-        f"{fmt_bytes(e['rss_compile_peak'])} (the table is "
-        f"{fmt_bytes(table_bytes(CASE.scales[result.scale]))})",
-        f"{int(r['fold_warning_count'])} slow-folding warning(s) compiling the reproduction, "
-        f"{int(e['fold_warning_count'])} for the fix; {option}",
-        f"{fmt_bytes(cheap['constants'])} of constants compiled for a "
-        f"{fmt_bytes(cheap['bytes'])} jnp.where(jnp.arange(...)) expression",
+        (
+            f"compile {_cell(r, 'compile_seconds')} with the table built inside jit, "
+            f"{_cell(e, 'compile_seconds')} with it built from an argument"
+        ),
+        (
+            f"resident peak while compiling {fmt_bytes(r['rss_compile_peak'])} against "
+            f"{fmt_bytes(e['rss_compile_peak'])} (the table is "
+            f"{fmt_bytes(table_bytes(CASE.scales[result.scale]))})"
+        ),
+        (
+            f"{int(r['fold_warning_count'])} slow-folding warning(s) compiling the reproduction, "
+            f"{int(e['fold_warning_count'])} for the fix; {option}"
+        ),
+        (
+            f"{fmt_bytes(cheap['constants'])} of constants compiled for a "
+            f"{fmt_bytes(cheap['bytes'])} jnp.where(jnp.arange(...)) expression"
+        ),
         "-",
         "-",
     ]
@@ -335,7 +343,7 @@ def _figures_here(scale: str) -> dict[str, Mapping[str, float]]:
     process (a folding compile may take minutes on some releases: the child is stopped)."""
     s = CASE.scales[scale]
     params = CASE.grid(s)[0]
-    out = {}
+    out: dict[str, Mapping[str, float]] = {}
     for v in CASE.variants:
         if CASE.available(v):
             out[v.name] = run_figures(v, s, params)
@@ -479,8 +487,7 @@ def claims(
         ),
         Claim(
             "iota-folded",
-            "A large, cheap expression of jnp.arange is folded into a constant "
-            "(jax-ml/jax#18475).",
+            "A large, cheap expression of jnp.arange is folded into a constant (jax-ml/jax#18475).",
             verdict(cheap["constants"] >= cheap["bytes"]),
             f"{fmt_bytes(cheap['constants'])} of constants in the compiled program for a "
             f"{fmt_bytes(cheap['bytes'])} expression: XLA does not fold an iota.",
