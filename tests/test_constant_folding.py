@@ -79,6 +79,13 @@ def test_fix_sits_at_its_floor_and_every_total_holds_its_floor_on_every_target(s
     assert len(page.floor_table(results).rows) == sum(len(r.reports) for r in results.values())
 
 
+def test_warning_verdict_is_undecided_for_a_quick_fold():
+    quiet = {"fold_warning_count": 0, "compile_seconds": 0.5}
+    assert page._warning_verdict(quiet, quiet) == "not reproducible here"
+    assert page._warning_verdict({**quiet, "compile_seconds": 30.0}, quiet) == "refuted"
+    assert page._warning_verdict({**quiet, "fold_warning_count": 1}, quiet) == "confirmed"
+
+
 def test_warning_is_counted_from_stderr():
     text = (
         "E1125 02:29:27.6 123 slow_operation_alarm.cc:74] Constant folding an instruction "
