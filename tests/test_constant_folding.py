@@ -108,7 +108,7 @@ def test_warning_seen_exactly_when_a_fold_took_over_a_second(seed):
         assert f[page.REPRO]["fold_warning_count"] == 0
 
 
-def test_option_variant_skips_the_fold_but_costs_memory_at_run_time(seed):
+def test_option_variant_skips_the_fold_and_needs_no_less_at_run_time(seed):
     if not HAS_OPTION:
         pytest.skip("jax.jit takes no compiler_options in this JAX")
     result = seed[0]
@@ -116,6 +116,10 @@ def test_option_variant_skips_the_fold_but_costs_memory_at_run_time(seed):
     assert page.constant_bytes(option) < page.constant_bytes(result.one(page.REPRO)) / 100
     assert option.figures[KEY] < result.one(page.REPRO).figures[KEY]
     assert option.total >= fix.total
+    # Whether it needs more depends on the release's fusion (0.6.2: no; 0.10.2, 0.12: more).
+    assert ("keeps the table's steps apart" in page.option_note(result)) == (
+        option.total > 1.1 * fix.total
+    )
 
 
 def test_fixes_give_the_same_result():
