@@ -248,6 +248,8 @@ def _cell(f: Mapping[str, float], name: str) -> str:
     if name not in f:
         return "-"
     value = f[name]
+    if name == "run_seconds":
+        return f"{value * 1e3:.1f} ms"
     if name.endswith("_seconds"):
         return f"{value:.2f} s" + (" (stopped)" if f.get("unfinished_count") else "")
     return f"{int(value):,}" if name.endswith("_count") else fmt_bytes(value)
