@@ -35,6 +35,7 @@ _CASES = {
     "sharding-replicated": "runbook.cases.sharding_replicated",
     "live-references": "runbook.cases.live_references",
     "recompilation": "runbook.cases.recompilation",
+    "constant-folding": "runbook.cases.constant_folding",
 }
 
 
