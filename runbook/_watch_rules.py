@@ -39,7 +39,9 @@ class Thresholds:
         rising: the share of steps after the warm-up in which the live bytes rose; growth
             that is not steady (one large allocation, then flat) is not flagged.
         recompiles: a function compiled in this many steps after the warm-up is
-            recompiling.
+            recompiling, if also in `recompile_share` of them.
+        recompile_share: the share of the steps after the warm-up in which the function
+            compiled; compiles that die out (shape buckets filling up) are not flagged.
         slow_compile: seconds one compilation may take before it is flagged.
         compile_host: bytes the host's peak resident set may rise during one compilation
             before it is flagged.
@@ -50,6 +52,7 @@ class Thresholds:
     min_growth: int = 2**20
     rising: float = 0.75
     recompiles: int = 3
+    recompile_share: float = 0.5
     slow_compile: float = 2.0
     compile_host: int = 128 * 2**20
 
@@ -58,8 +61,10 @@ class Thresholds:
 
         if self.warmup < 0 or self.min_steps < 1 or self.recompiles < 1:
             raise RunbookError("watch thresholds: warmup >= 0, min_steps >= 1, recompiles >= 1")
-        if not 0 < self.rising <= 1:
-            raise RunbookError("watch thresholds: rising is a share in (0, 1]")
+        if not 0 < self.rising <= 1 or not 0 <= self.recompile_share <= 1:
+            raise RunbookError(
+                "watch thresholds: rising is a share in (0, 1], recompile_share in [0, 1]"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,13 +201,15 @@ def recompilation(
     steps: Sequence[StepRecord], compiles: Sequence[Compile], t: Thresholds
 ) -> list[Finding]:
     """A function compiled again in several steps after the warm-up."""
-    if len(_post(steps, t)) - 1 < t.min_steps:
+    after = len(_post(steps, t)) - 1
+    if after < t.min_steps:
         return []
     by_fn: dict[str, list[Compile]] = {}
     for c in compiles:
         if c.step > t.warmup:
             by_fn.setdefault(c.function, []).append(c)
-    hot = {fn: cs for fn, cs in by_fn.items() if len({c.step for c in cs}) >= t.recompiles}
+    need = max(t.recompiles, t.recompile_share * after)
+    hot = {fn: cs for fn, cs in by_fn.items() if len({c.step for c in cs}) >= need}
     if not hot:
         return []
     ranked = sorted(hot.items(), key=lambda kv: (-len(kv[1]), -sum(c.seconds for c in kv[1])))

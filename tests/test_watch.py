@@ -123,8 +123,9 @@ def _lengths_loop(lengths: list[int]) -> Watch:
 
 @pytest.mark.parametrize(("changes", "flagged"), [(2, False), (3, True)])
 def test_recompilation_threshold(changes, flagged):
-    """A new batch length in `changes` steps after the warm-up; 3 is the threshold."""
-    lengths = [16, 16] + [17 + i for i in range(changes)] + [17 + changes - 1] * 4
+    """A new batch length in `changes` steps after the warm-up; 3 is the threshold (and
+    each of the steps after the warm-up compiles: the share is tested below)."""
+    lengths = [16, 16] + [17 + i for i in range(changes)]
     w = _lengths_loop(lengths)
     ours = [c for c in w.compiles if "batch_step" in c.function]
     assert len(ours) == 1 + changes
@@ -138,6 +139,16 @@ def test_recompilation_threshold(changes, flagged):
     assert all(c.change for c in ours[1:])
     assert not ours[0].change
     assert any(str(17 + changes - 1) in c.change for c in ours[1:])
+
+
+def test_compiles_that_die_out_are_not_recompiling():
+    """Three new lengths, then a steady run: under half the steps after the warm-up
+    compiled (shape buckets filling up), so no finding unless the share is lowered."""
+    lengths = [16, 16, 17, 18, 19] + [19] * 6
+    w = _lengths_loop(lengths)
+    assert len([c for c in w.compiles if "batch_step" in c.function]) == 4
+    assert w.findings == ()
+    assert w.findings_for(recompile_share=0.25)[0].case == "recompilation"
 
 
 def test_recompilation_on_a_static_argument_is_named():

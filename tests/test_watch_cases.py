@@ -1,0 +1,29 @@
+"""`runbook.watch` on the runtime cases' own loops: each reproduction is named as its case,
+with the case's fix to copy; each recommended fix draws no finding."""
+
+from __future__ import annotations
+
+import pytest
+
+from runbook.site import watched_cases
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {(r["case"], r["role"]): r for r in watched_cases.loops()}
+
+
+@pytest.mark.parametrize("case", list(watched_cases.CASES))
+def test_reproduction_is_named_as_its_case(rows, case):
+    r = rows[case, "reproduction"]
+    assert r["steps"] == watched_cases.CASES[case]
+    assert r["cases"] == [case], r
+    module = case.replace("-", "_")
+    assert all(c and c.startswith(f"runbook.cases.{module}.") for c in r["copy"]), r
+
+
+@pytest.mark.parametrize("case", list(watched_cases.CASES))
+def test_recommended_fix_draws_no_finding(rows, case):
+    r = rows[case, "fix"]
+    assert r["steps"] == watched_cases.CASES[case]
+    assert r["cases"] == [], r
