@@ -12,7 +12,7 @@ from . import _subprocess, _targets
 from ._buffers import Buffer
 from ._errors import DoesNotFitError
 from ._measure import MemoryReport
-from ._program import Finding, Program
+from ._program import Finding, NearMiss, Program
 from ._render import Table, fmt_bytes
 
 __all__ = ["Diagnosis", "Finding", "diagnose"]
@@ -30,6 +30,8 @@ class Diagnosis:
             (``needed``, ``limit``, ``what``); the findings then come from this process's
             backend.
         seconds: how long the diagnosis took (compilation included).
+        near_misses: mechanisms the detectors saw part of without naming them, largest
+            first (cases the findings name left out); see `closest`.
     """
 
     report: MemoryReport
@@ -37,6 +39,13 @@ class Diagnosis:
     target: _targets.Target | None = None
     refused: dict[str, Any] | None = None
     seconds: float = 0.0
+    near_misses: tuple[NearMiss, ...] = ()
+
+    @property
+    def closest(self) -> NearMiss | None:
+        """The case that comes closest among those not named, and why it was not (its
+        ``case`` and ``reason``); None when no detector saw part of its mechanism."""
+        return self.near_misses[0] if self.near_misses else None
 
     @property
     def cases(self) -> list[str]:
@@ -232,6 +241,7 @@ class Diagnosis:
             "target": self.target.name if self.target else None,
             "refused": dict(self.refused) if self.refused else None,
             "seconds": self.seconds,
+            "near_misses": [dataclasses.asdict(m) for m in self.near_misses],
         }
 
     @classmethod
@@ -248,6 +258,7 @@ class Diagnosis:
             _targets.get_target(target) if target else None,
             dict(record["refused"]) if record.get("refused") else None,
             record.get("seconds", 0.0),
+            tuple(NearMiss(**m) for m in record.get("near_misses", ())),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -325,7 +336,7 @@ def diagnose(
         >>> d.findings[0].bytes == 1024 * 1024 * 4
         True
     """
-    from .detectors import DETECTORS
+    from .detectors import DETECTORS, near_misses
 
     start = time.perf_counter()
     refused = None
@@ -348,7 +359,10 @@ def diagnose(
         )
     findings = [f for detect in (detectors or DETECTORS) for f in detect(program)]
     findings.sort(key=lambda f: -f.bytes)
-    return Diagnosis(program.report, tuple(findings), t, refused, time.perf_counter() - start)
+    misses = tuple(near_misses(program, findings, detectors))
+    return Diagnosis(
+        program.report, tuple(findings), t, refused, time.perf_counter() - start, misses
+    )
 
 
 def detector_table() -> Table:

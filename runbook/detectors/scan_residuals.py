@@ -188,15 +188,20 @@ def stacks(program: Program) -> list[_Stack]:
 
 
 def _held(program: Program, chosen: list[_Stack]) -> int:
-    """The most bytes `chosen` hold at once: live ranges where XLA wrote them (blocks of a
-    scan recomputed one after another share the memory), else all of them."""
-    values = []
+    """The bytes `chosen` hold at once. Where XLA's buffer assignment is at hand, stacks
+    that share memory (blocks of a scan recomputed one after another, given the same
+    offset) count once and the others all count: a loop's stack lives, in the loop's
+    buffer, from its start to the later loop that reads it, which the body's own live
+    ranges do not show. Without it, the order of the loops decides (`_held_in_order`)."""
+    extents: dict[tuple[int, int, int], int] = {}
     for s in chosen:
-        found = [v for v in program.values_of(s.loop.name) if v.index == f"{{{s.index}}}"]
+        found = program.values_of(s.write.name) or [
+            v for v in program.values_of(s.loop.name) if v.index == f"{{{s.index}}}"
+        ]
         if not found:
             return _held_in_order(program, chosen)
-        values += found
-    return min(program.peak(values), sum(s.write.shape.nbytes for s in chosen))
+        extents.update({v.extent: v.size for v in found})
+    return sum(extents.values())
 
 
 def _held_in_order(program: Program, chosen: list[_Stack]) -> int:
@@ -338,6 +343,4 @@ def near_miss(program: Program) -> NearMiss | None:
         )
         if best is None or miss.bytes > best.bytes:
             best = miss
-    if best is None and program.has_backward is False:
-        return None
     return best
