@@ -236,7 +236,8 @@ def test_closest_a_short_scan_beside_a_large_product():
     misses = {m.case: m for m in d.near_misses}
     assert "named from 10%" in misses["scan-residuals"].reason
     stack = 16 * 256 * 64 * 4  # one (steps, batch, hidden) array; JAX saves a few per step
-    assert misses["scan-residuals"].bytes > 0 and misses["scan-residuals"].bytes % stack == 0
+    assert misses["scan-residuals"].bytes > 0
+    assert misses["scan-residuals"].bytes % stack == 0
     assert d.closest == max(d.near_misses, key=lambda m: m.bytes)
     again = Diagnosis.from_record(d.to_record())
     assert again.closest == d.closest
@@ -253,7 +254,8 @@ def test_closest_a_small_vmap():
         S((2048, 2048), f32),
     )
     assert not d.cases
-    assert d.closest is not None and d.closest.case == "vmap-materialize"
+    assert d.closest is not None
+    assert d.closest.case == "vmap-materialize"
     assert "named from 25%" in d.closest.reason
 
 
