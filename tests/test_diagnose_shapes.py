@@ -158,7 +158,7 @@ def optax_step(opt):
 def times_zero_step(params, x, y):
     """A hand-written SGD step whose backbone update is multiplied by zero."""
     grads = jax.grad(backbone_loss)(params, x, y)
-    scale = {"backbone": [0.0] * LAYERS, "head": 1.0}
+    scale = {"backbone": [0.0] * len(params["backbone"]), "head": 1.0}
     return jax.tree.map(lambda p, g, s: p - 1e-3 * s * g, params, grads, scale)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from .._buffers import Buffer
-from .._hlo import Instruction
+from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Parameter, Program, finding
 from .._render import fmt_bytes
 from ._common import entry_parameter, state_pairs
@@ -144,25 +144,58 @@ class _Zeroed:
     held: int  # the most of their bytes live at once
 
 
-def _zeroed(program: Program) -> _Zeroed:
+def _backward(program: Program, inst: Instruction) -> bool:
+    """True when `inst` belongs to the reverse-mode pass (JAX names it ``transpose(...)``)."""
+    if "transpose(" in inst.op_name:
+        return True
+    return inst.opcode == "fusion" and any(
+        "transpose(" in i.op_name for i in program.module.inner_ops(inst)
+    )
+
+
+def _zeroed(program: Program, useless: set[str], kept: set[str]) -> _Zeroed:
+    """What the entry computation computes for nothing: only to multiply it by zero, or
+    only for the `useless` outputs (state of parameters returned unchanged), with the
+    forward values kept alive for that alone (read by nothing else of the backward pass)."""
     entry = program.module.entry
-    needed, _ = _needed_in(program, entry)
+    useful = [i for _, i in program.outputs() if i.name not in useless]
+    needed, _ = _needed_from(program, useful)
+    body = program.module.computations.get(entry, [])
     wasted = [
         i
-        for i in program.module.computations.get(entry, ())
+        for i in body
         if i.name not in needed
         and i.opcode not in ("parameter", "constant", "get-tuple-element", "tuple")
         and i.shape.is_array
     ]
     if not any(program.backward_ancestry(i.name) for i in wasted):
         return _Zeroed([], 0)  # a product with zero, but not of a gradient
-    values = [
-        v
-        for i in wasted
-        for v in program.values_of(i.name)
-        if v.kind in ("temp", "output", "thread-local")
-    ]
-    held = program.peak(values) if values else sum(i.shape.nbytes for i in wasted)
+    names = {i.name for i in wasted}
+    kept_alive = []
+    for i in body:
+        if i.name not in needed or i.opcode in ("parameter", "constant"):
+            continue
+        users = program.module.users.get(i.name, [])
+        if any(u.name in names for u in users) and not any(
+            _backward(program, u) for u in users if u.name not in names
+        ):
+            kept_alive.append(i)
+
+    def temps(chosen: list[Instruction]) -> list[Value]:
+        return [
+            v
+            for i in chosen
+            for v in program.values_of(i.name)
+            if v.kind in ("temp", "thread-local") or (v.kind == "output" and i.name in kept)
+        ]
+
+    if not program.values:  # no buffer assignment: the wasted values, all at once
+        return _Zeroed(wasted, sum(i.shape.nbytes for i in wasted))
+    # The forward values would exist anyway, two at a time (one layer's input and output):
+    # what the waste costs is their being kept for it.
+    alone = program.peak(temps(wasted))
+    largest = max((i.shape.nbytes for i in kept_alive), default=0)
+    held = max(alone, program.peak(temps(wasted + kept_alive)) - 2 * largest)
     return _Zeroed(sorted(wasted, key=lambda i: -i.shape.nbytes), held)
 
 
@@ -214,6 +247,15 @@ def _unchanged(program: Program, inst: Instruction) -> Parameter | None:
     ]
     if len(found) != 1 or found[0].shape.dims != inst.shape.dims:
         return None
+    computed = [
+        i
+        for i in program.module.entry_instructions
+        if i.name in needed
+        and i.name != inst.name
+        and i.opcode not in ("parameter", "constant", "broadcast", *_THROUGH)
+    ]
+    if computed:
+        return None  # computed from more than that input: not the input plus zero
     if not program.entry_parameters_of(inst.name) - scalars - {found[0].parameter_number}:
         return None  # computed from that input alone: an update, not a product with zero
     number = found[0].parameter_number
@@ -230,11 +272,11 @@ class _Seen:
 
     @property
     def bytes(self) -> int:
+        # The kept state is among what `zeroed` holds (outputs computed for nothing).
         return (
             sum(b.size for b in self.zero)
             + sum(i.shape.nbytes for i in self.untouched)
             + self.zeroed.held
-            + sum(i.shape.nbytes for i in self.kept)
         )
 
 
@@ -258,9 +300,15 @@ def _see(program: Program) -> _Seen:
     ]
     names = ", ".join(p.parameter.path for p in untouched[:3])
     names += ", ..." if len(untouched) > 3 else ""
-    outputs = {i.name for i in [p.output for p in untouched]}
+    outputs = {p.output.name for p in untouched}
     kept = [i for i in _kept_state(program) if i.name not in outputs]
-    return _Seen(zero, [p.output for p in untouched], names, _zeroed(program), kept)
+    useless = {i.name for i in kept} | {
+        i.name
+        for _, i in program.outputs()
+        if entry_parameter(program, i) is None and _unchanged(program, i) is not None
+    }
+    zeroed = _zeroed(program, useless, {i.name for i in kept})
+    return _Seen(zero, [p.output for p in untouched], names, zeroed, kept)
 
 
 def detect(program: Program) -> list[Finding]:
@@ -282,15 +330,17 @@ def detect(program: Program) -> list[Finding]:
             f"{fmt_bytes(sum(i.shape.nbytes for i in seen.untouched))}"
         )
     if seen.zeroed.instructions:
-        parts.append(
-            f"{len(seen.zeroed.instructions)} instruction(s) of the reverse-mode pass compute a "
-            "gradient only to multiply it by zero (a zero learning rate or mask), holding "
-            f"{fmt_bytes(seen.zeroed.held)} at once"
+        kept = (
+            f", among them {len(seen.kept)} state output(s) fed a gradient for parameters "
+            "the program returns unchanged"
+            if seen.kept
+            else ""
         )
-    if seen.kept:
         parts.append(
-            f"{len(seen.kept)} state output(s) are fed a gradient for parameters the program "
-            f"returns unchanged: {fmt_bytes(sum(i.shape.nbytes for i in seen.kept))}"
+            f"{len(seen.zeroed.instructions)} instruction(s) compute a gradient only to "
+            "multiply it by zero (a zero learning rate or mask) or to keep optimizer state "
+            f"for parameters that do not change{kept}, holding "
+            f"{fmt_bytes(seen.zeroed.held)} at once with the forward values kept for them"
         )
     evidence = (
         seen.zero
