@@ -12,7 +12,7 @@ from . import _subprocess, _targets
 from ._buffers import Buffer
 from ._errors import DoesNotFitError
 from ._measure import MemoryReport
-from ._program import Finding, Program
+from ._program import Finding, NearMiss, Program
 from ._render import Table, fmt_bytes
 
 __all__ = ["Diagnosis", "Dominant", "Finding", "diagnose"]
@@ -71,6 +71,8 @@ class Diagnosis:
         seconds: how long the diagnosis took (compilation included).
         stacked: buffers a while loop writes one step at a time (HLO instruction name ->
             the loop's steps; see `Program.stacked_per_step`).
+        near_misses: mechanisms the detectors saw part of without naming them, largest
+            first (cases the findings name left out); see `closest`.
     """
 
     report: MemoryReport
@@ -79,6 +81,13 @@ class Diagnosis:
     refused: dict[str, Any] | None = None
     seconds: float = 0.0
     stacked: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    near_misses: tuple[NearMiss, ...] = ()
+
+    @property
+    def closest(self) -> NearMiss | None:
+        """The case that comes closest among those not named, and why it was not (its
+        ``case`` and ``reason``); None when no detector saw part of its mechanism."""
+        return self.near_misses[0] if self.near_misses else None
 
     @property
     def cases(self) -> list[str]:
@@ -333,6 +342,7 @@ class Diagnosis:
             "refused": dict(self.refused) if self.refused else None,
             "seconds": self.seconds,
             "stacked": dict(self.stacked),
+            "near_misses": [dataclasses.asdict(m) for m in self.near_misses],
         }
 
     @classmethod
@@ -350,6 +360,7 @@ class Diagnosis:
             dict(record["refused"]) if record.get("refused") else None,
             record.get("seconds", 0.0),
             dict(record.get("stacked", {})),
+            tuple(NearMiss(**m) for m in record.get("near_misses", ())),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -387,26 +398,16 @@ def _name(b: Buffer) -> str:
 
 
 def _closest_lines(d: Diagnosis) -> list[str]:
-    """The case that comes closest and why it was not named, where the diagnosis has a
-    ``closest`` (a hook for the near-miss explanation; nothing otherwise)."""
-    closest = getattr(d, "closest", None)
-    if callable(closest):
-        closest = closest()
-    if not closest:
+    """The case that comes closest and why it was not named (nothing where no detector saw
+    part of its mechanism)."""
+    c = d.closest
+    if c is None:
         return []
-    items = closest if isinstance(closest, list | tuple) else [closest]
-    return [f"Closest: {item}" for item in items]
+    return [f"Closest: {c.case} ({c.pattern}), {fmt_bytes(c.bytes)}: {c.reason}"]
 
 
-def _closest_json(d: Diagnosis) -> Any:
-    closest = getattr(d, "closest", None)
-    if callable(closest):
-        closest = closest()
-    if isinstance(closest, list | tuple):
-        return [c.to_json() if hasattr(c, "to_json") else str(c) for c in closest]
-    if closest is None:
-        return None
-    return closest.to_json() if hasattr(closest, "to_json") else str(closest)
+def _closest_json(d: Diagnosis) -> dict[str, Any] | None:
+    return d.closest.to_json() if d.closest else None
 
 
 def _buffer_line(b: Any) -> str:
@@ -457,7 +458,7 @@ def diagnose(
         >>> d.findings[0].bytes == 1024 * 1024 * 4
         True
     """
-    from .detectors import DETECTORS
+    from .detectors import DETECTORS, near_misses
 
     start = time.perf_counter()
     refused = None
@@ -480,9 +481,10 @@ def diagnose(
         )
     findings = [f for detect in (detectors or DETECTORS) for f in detect(program)]
     findings.sort(key=lambda f: -f.bytes)
+    misses = tuple(near_misses(program, findings, detectors))
     seconds = time.perf_counter() - start
     return Diagnosis(
-        program.report, tuple(findings), t, refused, seconds, program.stacked_per_step()
+        program.report, tuple(findings), t, refused, seconds, program.stacked_per_step(), misses
     )
 
 

@@ -30,6 +30,8 @@ from ._provenance import Provenance
 from ._quiet import start_backend
 
 SITE_FIX = "cases/{case}.html#fix"
+# Instructions whose called computation's parameters are the instruction's operands.
+_PASSES_OPERANDS = ("fusion", "async-start", "call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,28 @@ class Finding:
             "copy": self.copy,
             "evidence": [dataclasses.asdict(b) for b in self.evidence],
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class NearMiss:
+    """A known mechanism a detector saw part of, below what it takes to name it.
+
+    Attributes:
+        case: the runbook case it would have named.
+        pattern: the mechanism, in a few words (the detector's ``PATTERN``).
+        bytes: the bytes the partial evidence accounts for, per device (the score: the
+            largest near miss is the closest).
+        reason: what was seen, and why it was not named (which test failed, with its
+            threshold), in one sentence.
+    """
+
+    case: str
+    pattern: str
+    bytes: int
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def _importable(dotted: str) -> bool:
@@ -344,13 +368,14 @@ class Program:
         return self.outside(found) if found is not None else None
 
     def outside(self, inst: Instruction) -> Instruction:
-        """For a parameter of a fused computation: the operand the fusion was called with."""
+        """For a parameter of a fused computation: the operand the fusion was called with
+        (likewise for the computation an async-start or a call runs)."""
         seen = set()
         while inst.opcode == "parameter" and inst.computation not in seen:
             seen.add(inst.computation)
             caller = self.callers.get(inst.computation)
             number = inst.parameter_number
-            if caller is None or caller.opcode != "fusion" or number is None:
+            if caller is None or caller.opcode not in _PASSES_OPERANDS or number is None:
                 break
             nxt = (
                 self.module.get(caller.operands[number]) if number < len(caller.operands) else None

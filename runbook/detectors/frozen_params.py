@@ -4,15 +4,27 @@ Differentiating a whole parameter tree when part of it is frozen (under
 ``lax.stop_gradient``, or unused) gives full-size zero gradients: real arrays the size of
 the frozen weights. In a training step the optimizer then keeps and updates state for
 them with no gradient at all. Differentiating only the trainable subtree avoids both.
+
+Freezing by a zero learning rate instead (``optax.sgd(0.0)`` for the frozen labels, or an
+update multiplied by zero) is worse: the frozen part's whole gradient is computed, its
+backward pass and all, and then multiplied by zero. XLA cannot drop a product with zero
+(``0 * inf`` is not zero), so the compiled program keeps it: the detector finds products
+with a constant zero whose other factor comes from the reverse-mode pass, and everything
+the program computes only to feed them. Freezing by a mask that keeps the optimizer's
+state (``optax.chain(optax.adam(...), optax.masked(optax.set_to_zero(), frozen))``)
+computes the gradient for that state: parameters returned unchanged beside
+gradient-fed state of their shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from .._buffers import Buffer
-from .._hlo import Instruction
-from .._program import Finding, Program, finding
+from .._hlo import Instruction, Value
+from .._program import Finding, NearMiss, Parameter, Program, finding
 from .._render import fmt_bytes
-from ._common import state_pairs
+from ._common import entry_parameter, state_pairs
 
 MIN_SHARE = 0.05  # of the program's total
 PATTERN = "frozen parameters differentiated"
@@ -23,8 +35,11 @@ def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
         "in a program with a reverse-mode pass: outputs that are broadcast zeros shaped like an "
-        "input, and state outputs updated from the old state alone (nothing from the backward "
-        f"pass or the data), together at least {MIN_SHARE:.0%} of the program's total"
+        "input, state outputs updated from the old state alone (nothing from the backward "
+        "pass or the data), what the program computes only to multiply by a constant zero "
+        "(a gradient times a zero learning rate or mask; the most it holds at once), and "
+        "gradient-fed state shaped like parameters returned unchanged, together at least "
+        f"{MIN_SHARE:.0%} of the program's total"
     )
 
 
@@ -45,9 +60,227 @@ def _zeros(program: Program, inst: Instruction) -> bool:
     )
 
 
-def detect(program: Program) -> list[Finding]:
-    if not program.has_backward:
-        return []  # zeros and untouched state mean frozen parameters only beside a gradient
+_THROUGH = ("broadcast", "bitcast", "copy", "reshape", "convert", "transpose")
+
+
+def _is_zero(program: Program, inst: Instruction | None) -> bool:
+    """True when `inst` is the constant zero, or a broadcast/reshape/convert of it (inside a
+    fusion or passed into one)."""
+    seen: set[str] = set()
+    while inst is not None and inst.name not in seen:
+        seen.add(inst.name)
+        if inst.opcode == "parameter":
+            outer = program.outside(inst)
+            if outer is inst:
+                return False
+            inst = outer
+        elif inst.opcode in _THROUGH and inst.operands:
+            inst = program.module.get(inst.operands[0])
+        elif inst.opcode == "fusion":
+            inst = program.module.through(inst) if inst.calls else None
+            if inst is not None and inst.opcode == "fusion":
+                return False
+        else:
+            return inst.opcode == "constant" and bool(inst.operands) and inst.operands[0] in _ZERO
+    return False
+
+
+def _needed_in(program: Program, computation: str) -> tuple[set[str], list[Instruction]]:
+    """What `computation`'s root needs, not counting a factor multiplied by a constant zero,
+    and the products with zero whose other factor it therefore does not need."""
+    root = program.module.root(computation)
+    return _needed_from(program, [root] if root is not None else [])
+
+
+def _needed_from(program: Program, start: list[Instruction]) -> tuple[set[str], list[Instruction]]:
+    """What `start` needs (themselves included), products with zero aside. One result of a
+    multi-output fusion needs only what its part of the fusion reads."""
+    needed: set[str] = set()
+    done: set[tuple[str, int | None]] = set()
+    zeroing: list[Instruction] = []
+    todo: list[tuple[Instruction, int | None]] = [(i, None) for i in start]
+    while todo:
+        inst, element = todo.pop()
+        if (inst.name, element) in done or (inst.name, None) in done:
+            continue
+        done.add((inst.name, element))
+        needed.add(inst.name)
+        operands = [program.module.get(o) for o in inst.operands]
+        if inst.opcode == "multiply" and len(operands) == 2:
+            zero = [k for k, o in enumerate(operands) if _is_zero(program, o)]
+            if zero:
+                zeroing.append(inst)
+                operands = [operands[zero[0]]]
+        if inst.opcode == "fusion" and inst.calls and inst.computation == program.module.entry:
+            used = _fusion_inputs(program, inst.calls[0], element)
+            operands = [o for k, o in enumerate(operands) if k in used]
+        if inst.opcode == "get-tuple-element" and operands and operands[0] is not None:
+            todo.append((operands[0], inst.tuple_index))
+            continue
+        todo += [(o, None) for o in operands if o is not None]
+    return needed, zeroing
+
+
+def _fusion_inputs(program: Program, computation: str, element: int | None = None) -> set[int]:
+    """The parameters of a fused computation its root (or element `element` of a tuple
+    root) needs, products with zero aside."""
+    root = program.module.root(computation)
+    if root is not None and element is not None and root.opcode == "tuple":
+        part = program.module.get(root.operands[element]) if element < len(root.operands) else None
+        root = part or root
+    needed, _ = _needed_from(program, [root] if root is not None else [])
+    return {
+        i.parameter_number
+        for i in program.module.computations.get(computation, ())
+        if i.opcode == "parameter" and i.name in needed and i.parameter_number is not None
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Zeroed:
+    """What the entry computation computes only to multiply it by zero."""
+
+    instructions: list[Instruction]
+    held: int  # the most of their bytes live at once
+
+
+def _backward(program: Program, inst: Instruction) -> bool:
+    """True when `inst` belongs to the reverse-mode pass (JAX names it ``transpose(...)``)."""
+    if "transpose(" in inst.op_name:
+        return True
+    return inst.opcode == "fusion" and any(
+        "transpose(" in i.op_name for i in program.module.inner_ops(inst)
+    )
+
+
+def _zeroed(program: Program, useless: set[str], kept: set[str]) -> _Zeroed:
+    """What the entry computation computes for nothing: only to multiply it by zero, or
+    only for the `useless` outputs (state of parameters returned unchanged), with the
+    forward values kept alive for that alone (read by nothing else of the backward pass)."""
+    entry = program.module.entry
+    useful = [i for _, i in program.outputs() if i.name not in useless]
+    needed, _ = _needed_from(program, useful)
+    body = program.module.computations.get(entry, [])
+    wasted = [
+        i
+        for i in body
+        if i.name not in needed
+        and i.opcode not in ("parameter", "constant", "get-tuple-element", "tuple")
+        and i.shape.is_array
+    ]
+    if not any(program.backward_ancestry(i.name) for i in wasted):
+        return _Zeroed([], 0)  # a product with zero, but not of a gradient
+    names = {i.name for i in wasted}
+    kept_alive = []
+    for i in body:
+        if i.name not in needed or i.opcode in ("parameter", "constant"):
+            continue
+        users = program.module.users.get(i.name, [])
+        if any(u.name in names for u in users) and not any(
+            _backward(program, u) for u in users if u.name not in names
+        ):
+            kept_alive.append(i)
+
+    def temps(chosen: list[Instruction]) -> list[Value]:
+        return [
+            v
+            for i in chosen
+            for v in program.values_of(i.name)
+            if v.kind in ("temp", "thread-local") or (v.kind == "output" and i.name in kept)
+        ]
+
+    if not program.values:  # no buffer assignment: the wasted values, all at once
+        return _Zeroed(wasted, sum(i.shape.nbytes for i in wasted))
+    # The forward values would exist anyway, two at a time (one layer's input and output):
+    # what the waste costs is their being kept for it.
+    alone = program.peak(temps(wasted))
+    largest = max((i.shape.nbytes for i in kept_alive), default=0)
+    held = max(alone, program.peak(temps(wasted + kept_alive)) - 2 * largest)
+    return _Zeroed(sorted(wasted, key=lambda i: -i.shape.nbytes), held)
+
+
+def _kept_state(program: Program) -> list[Instruction]:
+    """Gradient-fed state outputs shaped like parameters the program returns unchanged (the
+    optimizer's moments of a frozen part), in proportion to how many parameters of that
+    shape are unchanged."""
+    outputs = program.outputs()
+    unchanged: dict[tuple[str, tuple[int, ...]], int] = {}
+    for _, inst in outputs:
+        param = _unchanged(program, inst)
+        if param is not None and param.shape.nbytes > 8:
+            key = (param.shape.dtype, param.shape.dims)
+            unchanged[key] = unchanged.get(key, 0) + 1
+    if not unchanged:
+        return []
+    fed: dict[tuple[str, tuple[int, ...]], list[Instruction]] = {}
+    for pair in state_pairs(program):
+        key = (pair.output.shape.dtype, pair.output.shape.dims)
+        if (
+            key in unchanged
+            and program.backward_ancestry(pair.output.name)
+            and _unchanged(program, pair.output) is None  # a frozen parameter itself
+        ):
+            fed.setdefault(key, []).append(pair.output)
+    found = []
+    for key, outs in fed.items():
+        same = sum(
+            1 for p in program.parameters if (p.shape.dtype, p.shape.dims) == key
+        )  # every input of that shape: parameters and state alike
+        params = max(same - len(outs), unchanged[key])
+        share = min(1.0, unchanged[key] / params) if params else 1.0
+        found += outs[: round(share * len(outs))]
+    return found
+
+
+def _unchanged(program: Program, inst: Instruction) -> Parameter | None:
+    """The input `inst` returns unchanged: passed through, or plus something times zero
+    (``p - 0.0 * update``, a zero learning rate)."""
+    param = entry_parameter(program, inst)
+    if param is not None:
+        return param
+    needed, _ = _needed_from(program, [inst])
+    scalars = _scalars(program)
+    found = [
+        i
+        for i in program.module.entry_instructions
+        if i.name in needed and i.opcode == "parameter" and i.parameter_number not in scalars
+    ]
+    if len(found) != 1 or found[0].shape.dims != inst.shape.dims:
+        return None
+    computed = [
+        i
+        for i in program.module.entry_instructions
+        if i.name in needed
+        and i.name != inst.name
+        and i.opcode not in ("parameter", "constant", "broadcast", *_THROUGH)
+    ]
+    if computed:
+        return None  # computed from more than that input: not the input plus zero
+    if not program.entry_parameters_of(inst.name) - scalars - {found[0].parameter_number}:
+        return None  # computed from that input alone: an update, not a product with zero
+    number = found[0].parameter_number
+    return next((p for p in program.parameters if p.number == number), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seen:
+    zero: list[Buffer]
+    untouched: list[Instruction]
+    names: str
+    zeroed: _Zeroed
+    kept: list[Instruction]
+
+    @property
+    def bytes(self) -> int:
+        # The kept state is among what `zeroed` holds (outputs computed for nothing).
+        return (
+            sum(b.size for b in self.zero)
+            + sum(i.shape.nbytes for i in self.untouched)
+            + self.zeroed.held
+        )
+
+
+def _see(program: Program) -> _Seen:
     shapes = {(p.shape.dtype, p.shape.dims) for p in program.parameters}
     zero: list[Buffer] = []
     for _, inst in program.outputs():
@@ -65,34 +298,84 @@ def detect(program: Program) -> list[Finding]:
         and program.entry_parameters_of(p.output.name) <= state | _scalars(program)
         and not program.backward_ancestry(p.output.name)
     ]
-    zero_bytes = sum(b.size for b in zero)
-    state_bytes = sum(p.output.shape.nbytes for p in untouched)
-    if zero_bytes + state_bytes < MIN_SHARE * program.total:
+    names = ", ".join(p.parameter.path for p in untouched[:3])
+    names += ", ..." if len(untouched) > 3 else ""
+    outputs = {p.output.name for p in untouched}
+    kept = [i for i in _kept_state(program) if i.name not in outputs]
+    useless = {i.name for i in kept} | {
+        i.name
+        for _, i in program.outputs()
+        if entry_parameter(program, i) is None and _unchanged(program, i) is not None
+    }
+    zeroed = _zeroed(program, useless, {i.name for i in kept})
+    return _Seen(zero, [p.output for p in untouched], names, zeroed, kept)
+
+
+def detect(program: Program) -> list[Finding]:
+    if not program.has_backward:
+        return []  # zeros and untouched state mean frozen parameters only beside a gradient
+    seen = _see(program)
+    if seen.bytes < MIN_SHARE * program.total or not seen.bytes:
         return []
     parts = []
-    if zero:
+    if seen.zero:
         parts.append(
-            f"{len(zero)} output(s) are full-size zeros shaped like inputs, {fmt_bytes(zero_bytes)}"
+            f"{len(seen.zero)} output(s) are full-size zeros shaped like inputs, "
+            f"{fmt_bytes(sum(b.size for b in seen.zero))}"
         )
-    if untouched:
-        names = ", ".join(p.parameter.path for p in untouched[:3])
+    if seen.untouched:
         parts.append(
-            f"{len(untouched)} state output(s) ({names}{', ...' if len(untouched) > 3 else ''}) "
-            f"are updated from the old state alone, with no gradient: {fmt_bytes(state_bytes)}"
+            f"{len(seen.untouched)} state output(s) ({seen.names}) are updated from the old "
+            "state alone, with no gradient: "
+            f"{fmt_bytes(sum(i.shape.nbytes for i in seen.untouched))}"
         )
+    if seen.zeroed.instructions:
+        kept = (
+            f", among them {len(seen.kept)} state output(s) fed a gradient for parameters "
+            "the program returns unchanged"
+            if seen.kept
+            else ""
+        )
+        parts.append(
+            f"{len(seen.zeroed.instructions)} instruction(s) compute a gradient only to "
+            "multiply it by zero (a zero learning rate or mask) or to keep optimizer state "
+            f"for parameters that do not change{kept}, holding "
+            f"{fmt_bytes(seen.zeroed.held)} at once with the forward values kept for them"
+        )
+    evidence = (
+        seen.zero
+        + [program.buffer(i) for i in seen.untouched + seen.kept]
+        + [program.buffer(i) for i in seen.zeroed.instructions[:8]]
+    )
     return [
         finding(
             PATTERN,
             CASE,
-            zero_bytes + state_bytes,
-            zero + [program.buffer(p.output) for p in untouched],
+            seen.bytes,
+            evidence,
             "Differentiate only the trainable parameters (pass them as their own argument to "
             "jax.grad, the frozen ones closed over or as another argument) and give the "
-            "optimizer only those",
+            "optimizer only those; a zero learning rate or a mask still computes the frozen "
+            "part's gradient",
             copy="runbook.cases.frozen_params.grad_trainable",
             detail="; ".join(parts) + ".",
         )
     ]
+
+
+def near_miss(program: Program) -> NearMiss | None:
+    """Frozen-parameter evidence below the threshold, or outside a gradient program."""
+    if not program.has_backward:
+        return None  # without a gradient, nothing here is about frozen parameters
+    seen = _see(program)
+    if not seen.bytes or seen.bytes >= MIN_SHARE * program.total:
+        return None
+    reason = (
+        f"zero gradients, gradient-free state, zeroed gradients and state kept for unchanged "
+        f"parameters account for {fmt_bytes(seen.bytes)}, "
+        f"{seen.bytes / (program.total or 1):.0%} of the total (named from {MIN_SHARE:.0%})"
+    )
+    return NearMiss(CASE, PATTERN, seen.bytes, reason)
 
 
 def _scalars(program: Program) -> set[int]:

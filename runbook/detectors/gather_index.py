@@ -9,7 +9,7 @@ widened to 32 bits on the way, so the copy can be larger than the input.
 from __future__ import annotations
 
 from .._hlo import Instruction, itemsize
-from .._program import Finding, Program, finding
+from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 
 MIN_SHARE = 0.05  # of the program's total: smaller copies are not worth a finding
@@ -43,8 +43,9 @@ def _widened(program: Program, producer: Instruction, concat: Instruction) -> st
     return ""
 
 
-def detect(program: Program) -> list[Finding]:
-    seen: dict[str, str] = {}  # index producer -> what reads it
+def _index_copies(program: Program) -> dict[str, str]:
+    """Index operands of gathers and scatters made by a concatenate: producer -> reader."""
+    seen: dict[str, str] = {}
     for inst in program.module.instructions.values():
         if inst.opcode not in ("gather", "scatter"):
             continue
@@ -55,6 +56,36 @@ def detect(program: Program) -> list[Finding]:
             and _concatenate(program, producer) is not None
         ):
             seen.setdefault(producer.name, inst.opcode)
+    return seen
+
+
+def near_miss(program: Program) -> NearMiss | None:
+    """The largest concatenated index copy below the share this detector names."""
+    best: NearMiss | None = None
+    for name, reader in _index_copies(program).items():
+        producer = program.module.get(name)
+        nbytes = program.peak(program.values_of(name))
+        if producer is None or nbytes >= MIN_SHARE * program.total:
+            continue
+        why = (
+            f"holds {fmt_bytes(nbytes)}, {nbytes / (program.total or 1):.0%} of the total "
+            f"(named from {MIN_SHARE:.0%})"
+            if nbytes
+            else "has no buffer of its own (fused into its reader)"
+        )
+        miss = NearMiss(
+            CASE,
+            PATTERN,
+            nbytes or producer.shape.nbytes,
+            f"a concatenate makes the {producer.shape} index of a {reader}, but the copy {why}",
+        )
+        if best is None or miss.bytes > best.bytes:
+            best = miss
+    return best
+
+
+def detect(program: Program) -> list[Finding]:
+    seen = _index_copies(program)
     out = []
     for name, reader in seen.items():
         producer = program.module.get(name)

@@ -4,33 +4,47 @@ Reverse mode through ``lax.scan`` keeps what each step's backward needs, for eve
 the forward loop writes them into ``(steps, ...)`` arrays that the backward loop reads.
 Intermediates of the step a checkpointed body (``jax.checkpoint``) would recompute; the
 step's inputs (the carry) are stored even then, which only nested checkpointing reduces.
+
+The detector recognises the stacking by what the loops do, not by how one XLA prints it:
+a loop element of ``steps`` rows that the body rewrites in place with a per-step
+dynamic-update-slice (found through copies, bitcasts, fusions, multi-output fusions and
+async wrappers), and that a later loop reads. Every loop that stacks counts toward one
+finding, so that a scan split into blocks (or recomputed block by block under
+``jax.checkpoint``) is judged by what its stacks hold at once, not block by block.
+A stacking loop that runs inside the reverse-mode pass is a checkpointed scan being
+recomputed: checkpointing the whole scan moved its stacks into the backward pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 
 from .._buffers import Buffer
 from .._hlo import Instruction
-from .._program import Finding, Program, finding
+from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 
 MIN_SHARE = 0.10  # of the total: stacked intermediates a checkpointed body would not store
 MIN_CARRY_SHARE = 0.25  # of the total: stacked carries, which only nesting reduces...
 MIN_NEST_GAIN = 8  # ...reported where nesting stores this many times fewer (2 sqrt(T) of T)
+MIN_STEPS = (2 * MIN_NEST_GAIN) ** 2
 PATTERN = "scan residuals stacked for the backward pass"
+PATTERN_RECOMPUTED = "checkpointed scan recomputed in the backward pass, every step stacked"
 CASE = "scan-residuals"
+COPY = "runbook.cases.scan_residuals.loss_nested"
 
 
 def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
-        "a while loop writes (steps, ...) arrays step by step (dynamic-update-slice) that a later "
-        f"while loop reads; reported when the step's intermediates stored are at least "
-        f"{MIN_SHARE:.0%} of the total, or its inputs (carries) alone at least "
-        f"{MIN_CARRY_SHARE:.0%} over {(2 * MIN_NEST_GAIN) ** 2} steps or more, where nesting "
-        f"would store {MIN_NEST_GAIN}x fewer"
+        "while loops write (steps, ...) arrays step by step (a dynamic-update-slice, however "
+        "fused, copied or wrapped) that a later while loop reads; all such loops together are "
+        f"reported when the step's intermediates they hold at once are at least {MIN_SHARE:.0%} "
+        f"of the total, or its inputs (carries) alone at least {MIN_CARRY_SHARE:.0%} over "
+        f"{MIN_STEPS} steps or more, where nesting would store {MIN_NEST_GAIN}x fewer; a "
+        "stacking loop inside the reverse-mode pass is named a checkpointed scan recomputed"
     )
 
 
@@ -39,8 +53,63 @@ def _body(loop: Instruction) -> str | None:
     return m[1] if m else None
 
 
-def _consumed_by_loop(program: Program, loop: Instruction, index: int) -> bool:
-    """True when element `index` of `loop`'s result flows into another while loop."""
+_MOVES = ("bitcast", "copy", "reshape", "async-done", "async-update", "copy-done")
+_CALLS = ("fusion", "async-start", "call")
+
+
+def _writer(program: Program, inst: Instruction) -> Instruction | None:
+    """The dynamic-update-slice that produces `inst`, looking through what only moves or
+    wraps a value: copies, bitcasts, fusions (one result of a multi-output fusion too),
+    async and call wrappers. None when `inst` is computed some other way."""
+    seen: set[str] = set()
+    current: Instruction | None = inst
+    while current is not None and current.name not in seen:
+        seen.add(current.name)
+        if current.opcode == "dynamic-update-slice":
+            return current
+        if current.opcode in _MOVES and current.operands:
+            current = program.module.get(current.operands[0])
+        elif current.opcode in _CALLS and current.calls:
+            current = program.module.root(current.calls[0])
+        elif current.opcode == "get-tuple-element" and current.operands:
+            producer = program.module.get(current.operands[0])
+            k = current.tuple_index
+            if producer is None or producer.opcode not in _CALLS or not producer.calls:
+                return None
+            root = program.module.root(producer.calls[0])
+            if root is None or root.opcode != "tuple" or k is None or k >= len(root.operands):
+                return None
+            current = program.module.get(root.operands[k])
+        elif current.opcode == "parameter":
+            outer = program.outside(current)
+            current = None if outer is current else outer
+        else:
+            return None
+    return None
+
+
+def _loop_element(program: Program, inst: Instruction | None, body: str) -> int | None:
+    """Which element of the loop state `inst` is (the body's parameter, element k), or None."""
+    seen: set[str] = set()
+    while inst is not None and inst.name not in seen:
+        seen.add(inst.name)
+        if inst.opcode == "get-tuple-element" and inst.computation == body:
+            return inst.tuple_index
+        if inst.opcode == "parameter":
+            outer = program.outside(inst)
+            if outer is inst:
+                return None
+            inst = outer
+        elif inst.opcode in _MOVES and inst.operands:
+            inst = program.module.get(inst.operands[0])
+        else:
+            return None
+    return None
+
+
+def _consumed_by_loop(program: Program, loop: Instruction, index: int) -> Instruction | None:
+    """The later loop element `index` of `loop`'s result flows into (through tuples,
+    copies, bitcasts, one-op fusions, calls and async wrappers), or None."""
     todo = [
         u
         for u in program.module.users.get(loop.name, [])
@@ -54,105 +123,224 @@ def _consumed_by_loop(program: Program, loop: Instruction, index: int) -> bool:
         seen.add(inst.name)
         for user in program.module.users.get(inst.name, []):
             if user.opcode == "while" and user.name != loop.name:
-                return True
-            if user.opcode in ("tuple", "copy", "bitcast"):
+                return user
+            if user.opcode in ("tuple", "get-tuple-element", *_MOVES, "async-start"):
                 todo.append(user)
-    return False
+            elif user.opcode in ("fusion", "call"):
+                inner = program.module.through(user)
+                if inner.opcode in ("bitcast", "copy", "reshape", "transpose", "tuple"):
+                    todo.append(user)
+                elif user.opcode == "call" and any(
+                    i.opcode == "while" for i in program.module.inner_ops(user)
+                ):
+                    return user
+    return None
 
 
-def _stacked(
-    program: Program, loop: Instruction, steps: int
-) -> Iterator[tuple[int, Instruction, Instruction]]:
-    """(index, the per-step write, the value written) for each array the loop stacks."""
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    loop: Instruction
+    index: int
+    write: Instruction  # the body's result for this element
+    update: Instruction  # the value written each step
+    carry: bool  # the step's input, unchanged (else one of its intermediates)
+    recomputed: bool  # the loop runs inside the reverse-mode pass
+    reader: Instruction | None = None  # the later loop that reads it
+
+
+def _stacked(program: Program, loop: Instruction, steps: int) -> Iterator[_Stack]:
+    """Each array `loop` stacks: rewritten in place, one step at a time."""
     body = _body(loop)
     root = program.module.root(body) if body else None
-    if root is None or root.opcode != "tuple":
+    if body is None or root is None or root.opcode != "tuple":
         return
+    recomputed = "transpose(" in loop.op_name
     for index, name in enumerate(root.operands):
         write = program.module.get(name)
-        if write is None or not write.shape.dims or write.shape.dims[0] != steps:
+        if write is None or steps not in write.shape.dims:
             continue
-        dus = program.module.through(write)
-        if dus.opcode != "dynamic-update-slice":
+        dus = _writer(program, write)
+        if dus is None or len(dus.operands) < 2:
             continue
-        target = program.operand(dus, 0)
-        if target is None or target.opcode != "get-tuple-element" or target.tuple_index != index:
-            continue
+        if _loop_element(program, program.module.get(dus.operands[0]), body) != index:
+            continue  # not this element's buffer, rewritten in place
         update = program.operand(dus, 1)
         while update is not None and update.opcode in ("bitcast", "copy", "reshape"):
             update = program.operand(update, 0)
-        if update is not None:
-            yield index, write, update
+        if update is None:
+            continue
+        carry = _loop_element(program, update, body) is not None
+        yield _Stack(loop, index, write, update, carry, recomputed)
 
 
-def _carry(update: Instruction, body: str | None) -> bool:
-    """True when the stored value is one of the step's inputs (a loop element, unchanged)."""
-    return update.opcode == "get-tuple-element" and update.computation == body
-
-
-def detect(program: Program) -> list[Finding]:
-    out = []
+def stacks(program: Program) -> list[_Stack]:
+    """Every per-step array a loop stores for a later loop, over the whole program."""
+    found = []
     for loop in program.module.instructions.values():
         steps = loop.trip_count
         if loop.opcode != "while" or not steps or steps < 2:
             continue
-        residuals = [
-            (index, write, update)
-            for index, write, update in _stacked(program, loop, steps)
-            if _consumed_by_loop(program, loop, index)
+        for s in _stacked(program, loop, steps):
+            reader = _consumed_by_loop(program, s.loop, s.index)
+            if reader is not None:
+                found.append(dataclasses.replace(s, reader=reader))
+    return found
+
+
+def _held(program: Program, chosen: list[_Stack]) -> int:
+    """The bytes `chosen` hold at once. Where XLA's buffer assignment is at hand, stacks
+    that share memory (blocks of a scan recomputed one after another, given the same
+    offset) count once and the others all count: a loop's stack lives, in the loop's
+    buffer, from its start to the later loop that reads it, which the body's own live
+    ranges do not show. Without it, the order of the loops decides (`_held_in_order`)."""
+    extents: dict[tuple[int, int, int], int] = {}
+    for s in chosen:
+        found = program.values_of(s.write.name) or [
+            v for v in program.values_of(s.loop.name) if v.index == f"{{{s.index}}}"
         ]
-        if not residuals:
+        if not found:
+            return _held_in_order(program, chosen)
+        extents.update({v.extent: v.size for v in found})
+    return sum(extents.values())
+
+
+def _held_in_order(program: Program, chosen: list[_Stack]) -> int:
+    """Without XLA's live ranges: each stack lives from its loop to the loop that reads it,
+    in the order the (scheduled) computation lists them; all at once when they are not in
+    one computation."""
+    computations = {s.loop.computation for s in chosen} | {
+        s.reader.computation for s in chosen if s.reader is not None
+    }
+    if len(computations) != 1:
+        return sum(s.write.shape.nbytes for s in chosen)
+    order = {i.name: n for n, i in enumerate(program.module.computations[computations.pop()])}
+    spans = [
+        (order[s.loop.name], order[s.reader.name] if s.reader else len(order), s.write.shape.nbytes)
+        for s in chosen
+    ]
+    return max(sum(b for a, z, b in spans if a <= start <= z) for start, _, _ in spans)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Judgement:
+    stacks: list[_Stack]
+    computed: int  # bytes of stacked intermediates held at once
+    carried: int  # bytes of stacked carries held at once
+    steps: int  # the longest stacking loop's steps
+    sentence: str  # the fix, or "" when below the thresholds
+    why_not: str  # why it is not named, when below
+
+
+def _judge(program: Program, chosen: list[_Stack]) -> _Judgement:
+    computed = _held(program, [s for s in chosen if not s.carry])
+    carried = _held(program, [s for s in chosen if s.carry])
+    steps = max(s.loop.trip_count or 0 for s in chosen)
+    total = program.total or 1
+    recomputed = all(s.recomputed for s in chosen)
+    sentence = why_not = ""
+    if computed >= MIN_SHARE * total:
+        sentence = (
+            (
+                "Checkpointing the whole scan (or each block of it) only moves its stacks into "
+                "the backward pass, which recomputes the scan storing every step: checkpoint "
+                "the scan's body inside each block (lax.scan(jax.checkpoint(body), ...)), or "
+                "nest checkpointed scans over segments of about sqrt(steps) steps"
+            )
+            if recomputed
+            else (
+                "Checkpoint the loop's body (lax.scan(jax.checkpoint(body), ...), or the same "
+                "in lax.fori_loop) so that each step stores only its inputs, or nest "
+                "checkpointed scans over segments of about sqrt(steps) steps to store fewer "
+                "still"
+            )
+        )
+    elif carried >= MIN_CARRY_SHARE * total and steps >= MIN_STEPS:
+        sentence = (
+            "Nest checkpointed scans: a scan over about sqrt(steps) segments, each a "
+            "checkpointed scan over its steps, stores about 2 sqrt(steps) carries "
+            "instead of one per step"
+        )
+    else:
+        why_not = (
+            f"stacked step intermediates hold {fmt_bytes(computed)} at once "
+            f"({computed / total:.0%} of the total, named from {MIN_SHARE:.0%}) and stacked "
+            f"carries {fmt_bytes(carried)} ({carried / total:.0%}, named from "
+            f"{MIN_CARRY_SHARE:.0%} over {MIN_STEPS} steps or more; the longest loop has "
+            f"{steps})"
+        )
+    return _Judgement(chosen, computed, carried, steps, sentence, why_not)
+
+
+def _groups(program: Program) -> list[list[_Stack]]:
+    """The stacks, split into loops of the forward pass and loops recomputed in the
+    reverse-mode pass (their fixes differ)."""
+    found = stacks(program)
+    groups = [[s for s in found if s.recomputed], [s for s in found if not s.recomputed]]
+    return [g for g in groups if g]
+
+
+def detect(program: Program) -> list[Finding]:
+    out = []
+    for chosen in _groups(program):
+        j = _judge(program, chosen)
+        if not j.sentence:
             continue
-        body = _body(loop)
-        evidence, carried, computed = [], 0, 0
-        for _, write, update in residuals:
-            op, source = program.describe(update)
+        evidence = []
+        for s in chosen:
+            op, source = program.describe(s.update)
             if not source:
-                op, source = program.describe(write)
-            is_carry = _carry(update, body)
-            kind = "carry" if is_carry else "intermediate"
+                op, source = program.describe(s.write)
+            kind = "carry" if s.carry else "intermediate"
             evidence.append(
                 Buffer(
-                    write.shape.nbytes,
-                    str(write.shape),
+                    s.write.shape.nbytes,
+                    str(s.write.shape),
                     f"stacked {kind}",
-                    f"{write.name} ({write.opcode})",
+                    f"{s.write.name} ({s.write.opcode})",
                     op,
                     source,
                 )
             )
-            if is_carry:
-                carried += write.shape.nbytes
-            else:
-                computed += write.shape.nbytes
-        total = program.total
-        if computed >= MIN_SHARE * total:
-            sentence = (
-                "Checkpoint the loop's body (lax.scan(jax.checkpoint(body), ...), or the same "
-                "in lax.fori_loop) so that each step stores only its inputs, or nest checkpointed "
-                "scans over segments of about sqrt(steps) steps to store fewer still"
-            )
-        elif carried >= MIN_CARRY_SHARE * total and steps >= (2 * MIN_NEST_GAIN) ** 2:
-            sentence = (
-                "Nest checkpointed scans: a scan over about sqrt(steps) segments, each a "
-                "checkpointed scan over its steps, stores about 2 sqrt(steps) carries "
-                "instead of one per step"
-            )
-        else:
-            continue
-        op = program.describe(loop)[0]
+        loops = list(dict.fromkeys(s.loop.name for s in chosen))
+        first = program.module.get(loops[0])
+        op = program.describe(first)[0] if first else ""
+        where = (
+            f"a {j.steps}-step loop ({op or loops[0]})"
+            if len(loops) == 1
+            else f"{len(loops)} loops of up to {j.steps} steps ({op or loops[0]}, ...)"
+        )
+        recomputed = chosen[0].recomputed
         out.append(
             finding(
-                PATTERN,
+                PATTERN_RECOMPUTED if recomputed else PATTERN,
                 CASE,
-                carried + computed,
+                j.carried + j.computed,
                 evidence,
-                sentence,
-                copy="runbook.cases.scan_residuals.loss_nested",
-                detail=f"a {steps}-step loop ({op or loop.name}) stores "
-                f"{len(residuals)} per-step array(s) that a later loop (its backward pass) "
-                f"reads: {fmt_bytes(computed)} of step intermediates, {fmt_bytes(carried)} "
-                "of step inputs (carries).",
+                j.sentence,
+                copy=COPY,
+                detail=f"{where}{' inside the reverse-mode pass' if recomputed else ''} "
+                f"store(s) {len(chosen)} per-step array(s) that a later loop (the backward "
+                f"pass) reads, holding at once {fmt_bytes(j.computed)} of step intermediates "
+                f"and {fmt_bytes(j.carried)} of step inputs (carries).",
             )
         )
     return out
+
+
+def near_miss(program: Program) -> NearMiss | None:
+    """The stacking this detector saw and did not name, with the threshold it missed."""
+    best: NearMiss | None = None
+    for chosen in _groups(program):
+        j = _judge(program, chosen)
+        if j.sentence:
+            continue
+        loops = len({s.loop.name for s in chosen})
+        miss = NearMiss(
+            CASE,
+            PATTERN_RECOMPUTED if chosen[0].recomputed else PATTERN,
+            j.computed + j.carried,
+            f"{loops} loop(s) stack per-step arrays that a later loop reads, but {j.why_not}",
+        )
+        if best is None or miss.bytes > best.bytes:
+            best = miss
+    return best

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .._hlo import Value
-from .._program import Finding, Program, finding
+from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 
 MIN_REPEATS = 4  # independent copies of one line's temporary, live at once
@@ -32,7 +32,12 @@ def rule() -> str:
     )
 
 
-def detect(program: Program) -> list[Finding]:
+_Group = tuple[str, str, list[Value], set[str], int]
+
+
+def _repeats(program: Program) -> list[_Group]:
+    """Each line's same-shape temporaries repeated at least twice: (shape, source line,
+    values, the members computed from no other member, how many are live at once)."""
     groups: dict[tuple[str, str], list[Value]] = defaultdict(list)
     for v in program.values:
         inst = program.module.get(v.instruction)
@@ -43,10 +48,10 @@ def detect(program: Program) -> list[Finding]:
             groups[(v.shape, source)].append(v)
     # Every line whose temporaries repeat, independently and at once: one finding for them
     # all (the loop's other lines repeat with it).
-    found = []
+    out: list[_Group] = []
     for (shape, source), values in groups.items():
         names = {v.instruction for v in values}
-        if len(names) < MIN_REPEATS:
+        if len(names) < 2:
             continue
         # The iterations: members computed from no other member. In a chain (the layers
         # of a network) only the first is; in an unrolled loop of independent iterations
@@ -54,8 +59,43 @@ def detect(program: Program) -> list[Finding]:
         starts = {n for n in names if not (program.module.ancestors(n) & names)}
         size = max(v.size for v in values)
         together = program.peak(values) // size if size else 0
+        out.append((shape, source, values, starts, together))
+    return out
+
+
+def near_miss(program: Program) -> NearMiss | None:
+    """The largest repeated line this detector did not name, and which test it failed."""
+    best: NearMiss | None = None
+    for shape, source, values, starts, together in _repeats(program):
+        nbytes = program.peak(values)
+        if len(starts) < 2 or together < 2:
+            continue  # a chain (the layers of a network) or one at a time: no loop to roll
         if len(starts) >= MIN_REPEATS and together >= MIN_REPEATS:
-            found.append((shape, source, values, starts, together))
+            if nbytes >= MIN_SHARE * program.total:
+                continue  # named (or part of a finding)
+            why = (
+                f"they hold {fmt_bytes(nbytes)}, {nbytes / (program.total or 1):.0%} of the "
+                f"total (named from {MIN_SHARE:.0%})"
+            )
+        else:
+            why = (
+                f"{len(starts)} are computed independently and {together} are live at once "
+                f"(named from {MIN_REPEATS} of each)"
+            )
+        miss = NearMiss(
+            CASE,
+            PATTERN,
+            nbytes,
+            f"{len({v.instruction for v in values})} {shape} temporaries come from {source}, "
+            f"but {why}",
+        )
+        if best is None or miss.bytes > best.bytes:
+            best = miss
+    return best
+
+
+def detect(program: Program) -> list[Finding]:
+    found = [g for g in _repeats(program) if len(g[3]) >= MIN_REPEATS and g[4] >= MIN_REPEATS]
     if not found:
         return []
     nbytes = program.peak(v for *_, values, _, _ in found for v in values)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 
-from .._program import Finding, Program, finding
+from .._hlo import Instruction, Value
+from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 
 MIN_SHARE = 0.25  # of the program's total, held at once by vmapped temporaries
@@ -30,7 +31,8 @@ def rule() -> str:
 _VMAP = re.compile(r"(?:^|/)vmap\(")
 
 
-def detect(program: Program) -> list[Finding]:
+def _vmapped(program: Program) -> tuple[list[tuple[Value, Instruction]], int]:
+    """Temporaries of vmapped operations outside loops, and the most of them live at once."""
     chosen = []
     for v in program.values:
         inst = program.module.get(v.instruction)
@@ -38,7 +40,25 @@ def detect(program: Program) -> list[Finding]:
             continue  # inside a loop: a chunk of the batch (lax.map), not all of it
         if _VMAP.search(program.describe(inst)[0]):
             chosen.append((v, inst))
-    nbytes = program.peak(v for v, _ in chosen)
+    return chosen, program.peak(v for v, _ in chosen)
+
+
+def near_miss(program: Program) -> NearMiss | None:
+    """Vmapped temporaries below the share this detector names."""
+    chosen, nbytes = _vmapped(program)
+    if not chosen or nbytes >= MIN_SHARE * program.total:
+        return None
+    return NearMiss(
+        CASE,
+        PATTERN,
+        nbytes,
+        f"{len(chosen)} temporaries of vmapped operations hold {fmt_bytes(nbytes)} at once, "
+        f"{nbytes / (program.total or 1):.0%} of the total (named from {MIN_SHARE:.0%})",
+    )
+
+
+def detect(program: Program) -> list[Finding]:
+    chosen, nbytes = _vmapped(program)
     if not chosen or nbytes < MIN_SHARE * program.total:
         return []
     evidence = [program.buffer(inst, v) for v, inst in chosen]
