@@ -567,13 +567,14 @@ def _diagnose_case_record(
 
 
 def case_diagnoses(scale: str = "seed") -> list[tuple[str, str, Diagnosis]]:
-    """Every case's reproduction and recommended fix, diagnosed at the reproduction's worst
-    point: ``(case, variant, diagnosis)``."""
+    """Every compile-time case's reproduction and recommended fix, diagnosed at the
+    reproduction's worst point: ``(case, variant, diagnosis)`` (runtime cases are
+    `runbook.watch`'s)."""
     from ._accelerator import recommended, worst_point
-    from ._case import case_names, measure_case
+    from ._case import case_names, get_case, measure_case
 
     out = []
-    for name in case_names():
+    for name in [n for n in case_names() if not get_case(n).runtime]:
         result = measure_case(name, scale)
         at = worst_point(result)
         repro = next(r for r in result.select(role="reproduction", **at))

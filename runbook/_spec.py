@@ -68,6 +68,9 @@ class Case:
             report's ``figures``.
         key_figure: the name, in ``figures``, of the figure that shows the problem where
             the compiler's total does not (the landing table shows it for this machine).
+        runtime: the problem shows only in a real run (memory growing over a loop's steps,
+            or while compiling), never in one compiled program: `runbook.watch` names it,
+            `runbook.diagnose` cannot.
     """
 
     name: str
@@ -88,6 +91,7 @@ class Case:
     compare: Callable[[Any], Any] | None = None
     figures: str | None = None
     key_figure: str | None = None
+    runtime: bool = False
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:

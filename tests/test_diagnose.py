@@ -35,7 +35,7 @@ f32 = jnp.float32
 SECONDS = 10  # the target for one diagnosis at seed scale, here
 # Cases whose problem shows only in a real run (memory grows across a loop's steps or
 # during compilation): no compiled program holds it, so diagnose has nothing to name.
-RUNTIME_CASES = {"live-references", "recompilation", "constant-folding"}
+RUNTIME_CASES = {n for n in runbook.case_names() if runbook.get_case(n).runtime}
 COMPILED_CASES = [name for name in runbook.case_names() if name not in RUNTIME_CASES]
 
 

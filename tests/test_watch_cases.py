@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pytest
 
+import runbook
 from runbook.site import watched_cases
 
 
 @pytest.fixture(scope="module")
 def rows():
     return {(r["case"], r["role"]): r for r in watched_cases.loops()}
+
+
+def test_the_runtime_cases_are_the_ones_watched():
+    runtime = {n for n in runbook.case_names() if runbook.get_case(n).runtime}
+    assert runtime == set(watched_cases.CASES)
 
 
 @pytest.mark.parametrize("case", list(watched_cases.CASES))

@@ -148,4 +148,5 @@ CASE = Case(
     recommended="table-from-argument",
     figures="runbook.site.constant_folding:run_figures",
     key_figure="compile_seconds",
+    runtime=True,
 )

@@ -243,4 +243,5 @@ CASE = Case(
     recommended="keep-floats",
     figures="runbook.site.live_references:live_figures",
     key_figure="live_growth",
+    runtime=True,
 )

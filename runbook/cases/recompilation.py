@@ -320,4 +320,5 @@ CASE = Case(
     recommended="bucketed",
     figures="runbook.site.recompilation:run_figures",
     key_figure="rss_growth",
+    runtime=True,
 )

@@ -170,11 +170,12 @@ def provenance(outcomes: Sequence[Outcome]) -> str:
 
 
 def table(outcomes: Sequence[Outcome] | None = None) -> Table:
-    """Per mechanism: corpus programs, named, missed, false alarms (clean programs count)."""
-    from ..._case import case_names
+    """Per mechanism: corpus programs, named, missed, false alarms (clean programs count).
+    The compile-time cases only: the runtime cases are `runbook.watch`'s."""
+    from ..._case import case_names, get_case
 
     outcomes = evaluate() if outcomes is None else outcomes
-    found = counts(outcomes, case_names())
+    found = counts(outcomes, [n for n in case_names() if not get_case(n).runtime])
     clean = [o for o in outcomes if o.entry.clean]
     rows: list[list[Any]] = [
         [case, c["programs"], c["named"], c["missed"], c["false alarms"]]

@@ -9,19 +9,6 @@ from __future__ import annotations
 
 # Expected cases the detectors do not name, per program, with the reason.
 MISSES: dict[str, dict[str, str]] = {
-    "remat-blocks-params-in-carry": {
-        "scan-residuals": "jax.remat around each block's scan: the block's forward scan is "
-        "recomputed inside the backward pass (a rematted computation), and the per-step "
-        "stacks it writes there are not the forward-then-backward loop pair the detector "
-        "reads",
-    },
-    "frozen-by-scale-zero": {
-        "frozen-params": "optax.scale(0.0): the backbone's gradient is computed and then "
-        "multiplied by zero, which the detector does not read as frozen",
-    },
-    "frozen-by-zero-lr": {
-        "frozen-params": "a zero learning rate by hand (p - 0.0 * g): the same as scale(0.0)",
-    },
     "per-example-grads": {
         "vmap-materialize": "the whole batch of per-example gradients is materialised by the "
         "squared norm outside vmap (op jit/integer_pow), not by an operation named vmap(...)",
