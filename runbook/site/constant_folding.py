@@ -28,6 +28,7 @@ from .._pages import cited_reports_table
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
 from .._spec import Variant
+from .._subprocess import one_line
 from ..cases.constant_folding import CASE, floor_bytes, table_bytes
 
 if TYPE_CHECKING:
@@ -343,16 +344,26 @@ def reports_table(result: CaseResult, cheap: Mapping[str, int]) -> Table:
     )
 
 
-def _figures_here(scale: str) -> dict[str, Mapping[str, float]]:
+def _figures_here(scale: str) -> tuple[dict[str, Mapping[str, float]], str | None]:
     """Each available variant's run figures at `scale`, without compiling it in this
-    process (a folding compile may take minutes on some releases: the child is stopped)."""
+    process (a folding compile may take minutes on some releases: the child is stopped);
+    and why this JAX refused the XLA option, where it did."""
     s = CASE.scales[scale]
     params = CASE.grid(s)[0]
     out: dict[str, Mapping[str, float]] = {}
+    refused = None
     for v in CASE.variants:
-        if CASE.available(v):
+        if not CASE.available(v):
+            continue
+        try:
             out[v.name] = run_figures(v, s, params)
-    return out
+        except RunbookError as e:
+            if v.name != OPTION:
+                raise
+            # jax 0.4.38 and 0.5.3 take compiler_options but refuse this one (a repeated
+            # field of XLA's options): the option's claims say why they are not decided.
+            refused = one_line(str(e).strip().splitlines()[-1])  # the error, not the banner
+    return out, refused
 
 
 def _warning_verdict(repro: Mapping[str, float], fix: Mapping[str, float]) -> str:
@@ -413,11 +424,14 @@ def claims(
         raise RunbookError(
             f"no run figures for {target}: they are measured on this machine's backend only"
         )
+    refused = None
     if result is not None:
         figs: Mapping[str, Mapping[str, float]] = {r.name: r.figures for r in result.reports}
         scale = result.scale
+        refused = next((one_line(s["reason"]) for s in result.skipped
+                        if s["name"] == OPTION and s["status"] == "failed"), None)  # fmt: skip
     else:
-        figs = _figures_here(scale)
+        figs, refused = _figures_here(scale)
     seen = analysis("tiny")
     cheap = iota_expression()
     r, e = figs[REPRO], figs[RECOMMENDED]
@@ -475,7 +489,9 @@ def claims(
                 "Compiling with xla_disable_hlo_passes=constant_folding avoids the slow "
                 "compile (jax-ml/jax#21300).",
                 "not reproducible here",
-                "jax.jit takes no compiler_options in this JAX.",
+                f"this JAX refused the option: {refused}"
+                if refused
+                else "jax.jit takes no compiler_options in this JAX.",
             )
         )
     else:
