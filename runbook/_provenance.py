@@ -78,7 +78,8 @@ class Provenance:
         per_device = ", per device" if self.devices > 1 or others else ""
         if self.target:
             return (
-                f"{devices} of a {self.device_kind} target{per_device}, compiled by XLA's "
+                f"{devices} of {_article(self.device_kind)} {self.device_kind} target"
+                f"{per_device}, compiled by XLA's "
                 f"{'GPU' if self.backend == 'cuda' else self.backend.upper()} compiler without "
                 f"the device (a prediction), jax {self.jax} / jaxlib {self.jaxlib}"
             )
@@ -86,6 +87,12 @@ class Provenance:
             f"{self.backend.upper()} ({self.device_kind}), {devices}{per_device}, "
             f"jax {self.jax} / jaxlib {self.jaxlib}"
         )
+
+
+def _article(name: str) -> str:
+    """ "a" or "an" before `name`, read aloud ("an NVIDIA H100", "a TPU v5e")."""
+    spelled = name[:2].isupper() and name[0] in "AEFHILMNORSX"  # an acronym's first letter
+    return "an" if spelled or name[:1].lower() in "aeiou" else "a"
 
 
 def _count(devices: int) -> str:

@@ -87,3 +87,20 @@ def test_pmap_loops_tpu_floor_leaves_out_the_product_the_tpu_compiler_fuses() ->
     assert v5e.lower_bound == pmap_loop.floor_bytes("shard_map-fori", scale, 4, "tpu")
     assert v5e.total < pmap_loop.floor_bytes("shard_map-fori", scale, 4, "cuda")
     assert v5e.lower_bound <= v5e.total
+
+
+@pytest.mark.parametrize("target", [None, "v5e"])
+def test_captions_name_the_devices_each_program_ran_on(target: str | None) -> None:
+    # pmap-loop's baseline runs on one device, its pmap-ed programs on four: the caption
+    # names both, and the per-device count it gives first is the four.
+    result = runbook.measure_case("pmap-loop", "tiny", target=target)
+    devices = {r.name: r.provenance.devices for r in result.reports}
+    assert devices.pop("serial") == 1
+    assert set(devices.values()) == {4}
+    caption = runbook.report_table(result.reports).caption
+    assert "4 devices (serial on 1 device)" in caption
+    assert "per device" in caption
+    if target:
+        assert "4 devices (serial on 1 device) of a TPU v5e target" in caption
+    alone = runbook.report_table(result.select("serial")).caption
+    assert "1 device" in alone and "4 devices" not in alone
