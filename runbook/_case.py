@@ -140,7 +140,7 @@ class CaseResult:
                     b["output"],
                     b["temp"],
                     b["alias"],
-                    prov,
+                    dataclasses.replace(prov, devices=v.get("devices", prov.devices)),
                     role=v["role"],
                     params=v["params"],
                     floor=None if v["lower_bound"] == default_floor else v["lower_bound"],
@@ -331,7 +331,7 @@ def _measure_variants(
                     progress(f"{case.name} {variant.name} {params}: {got['skipped']['status']}")
                 continue
             report = MemoryReport.from_record(got["report"])
-            floor = case.floor(variant, size, params) if case.floor else None
+            floor = case.floor_bytes(variant, size, params, platform)
             report = dataclasses.replace(
                 report, role=variant.role, params=params, floor=floor,
                 buffers=report.buffers if buffers else (),

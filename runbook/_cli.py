@@ -12,7 +12,7 @@ from ._case import CaseResult, case_names, get_case, measure_case
 from ._diagnose import diagnose_spec
 from ._errors import RunbookError
 from ._quiet import start_backend
-from ._render import figures_table, fmt_bytes, report_table
+from ._render import figures_table, fmt_bytes, provenance_label, report_table
 from ._targets import get_target, target_names, targets, unavailable
 
 
@@ -156,4 +156,5 @@ def _print_result(result: CaseResult, scale: str) -> None:
             f"\n{target.label}: {fmt_bytes(target.memory)} per device; "
             f"{target.usable_rule()}: {fmt_bytes(target.usable())}"
         )
-    print(f"\n{result.provenance.label()}; bytes per device; scale {scale!r}")
+    label = provenance_label(result.reports) if result.reports else result.provenance.label()
+    print(f"\n{label}; bytes per device; scale {scale!r}")

@@ -66,7 +66,7 @@ def _measure_point(
     except Exception as e:  # noqa: BLE001 (any rejection by this release is data, not a crash)
         reason = f"{type(e).__name__}: {e}" if not isinstance(e, RunbookError) else str(e)
         return {"status": "failed", "reason": one_line(reason), "provenance": provenance}
-    floor = case.floor(v, size, params) if case.floor else None
+    floor = case.floor_bytes(v, size, params, report.provenance.backend)
     report = dataclasses.replace(report, role=v.role, params=params, floor=floor)
     return {"status": "ok", "entry": report.to_json(), "provenance": provenance}
 

@@ -91,6 +91,7 @@ class MemoryReport:
             "name": self.name,
             "role": self.role,
             "params": dict(self.params),
+            "devices": self.provenance.devices,
             "bytes": {
                 "argument": self.argument,
                 "output": self.output,
@@ -335,9 +336,11 @@ def _measure_lowered(
     if stats is None:
         where = target.name if target else jax.default_backend()
         raise RunbookError(f"the {where} compiler reports no memory analysis.")
-    provenance = (
-        Provenance.for_target(target, _devices_used(compiled)) if target else Provenance.current()
-    )
+    if target:
+        provenance = Provenance.for_target(target, _devices_used(compiled))
+    else:  # the devices this program runs on (a process may have more), where JAX says
+        here = Provenance.current()
+        provenance = dataclasses.replace(here, devices=len(_devices(compiled)) or here.devices)
     caveats = (() if target else _backend_caveats(compiled, options)) + tuple(
         f"JAX warned: {text}" for text in unusable
     )

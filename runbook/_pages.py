@@ -9,7 +9,7 @@ from typing import Any
 from . import _subprocess
 from ._case import CaseResult, get_case, measure_case
 from ._measure import YNN_OPTION
-from ._render import Table, fmt_bytes
+from ._render import Table, fmt_bytes, provenance_label
 from ._runtime import agreement, runtime_peak
 
 
@@ -31,10 +31,11 @@ def fix_table(result: CaseResult, *, at: Mapping[str, Any] | None = None) -> Tab
         at: only grid points whose params include these (default: every point).
     """
     case = get_case(result.case)
-    rows = []
+    rows, shown = [], []
     for r in result.reports:
         if r.role == "baseline" or (at and any(r.params.get(k) != v for k, v in at.items())):
             continue
+        shown.append(r)
         repro = result.select(role="reproduction", **r.params)
         saving = f"{repro[0].total / r.total:.2f}x" if repro and r.role == "fix" else "-"
         mark = " (recommended)" if r.name == case.recommended else ""
@@ -46,7 +47,8 @@ def fix_table(result: CaseResult, *, at: Mapping[str, Any] | None = None) -> Tab
         ["variant", "params", "total", "floor", "total / floor", "reproduction / this"],
         rows,
         f"Compile time, per device, scale {result.scale!r}. The floor is the case's analytic "
-        f"lower bound (else arguments + outputs). {result.provenance.label()}.",
+        f"lower bound (else arguments + outputs) for the compiler that built the program. "
+        f"{provenance_label(shown) if shown else result.provenance.label()}.",
     )
 
 
@@ -62,7 +64,8 @@ def compare_variants(result: CaseResult, names: Sequence[str], x: str) -> Table:
     return Table(
         [x, *names, "equal?"],
         rows,
-        f"Compile-time totals per device. {result.provenance.label()}.",
+        f"Compile-time totals per device. "
+        f"{provenance_label([r for r in result.reports if r.name in names])}.",
     )
 
 

@@ -6,6 +6,8 @@ import dataclasses
 import datetime
 import os
 import platform
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -62,19 +64,52 @@ class Provenance:
             target=target.name,
         )
 
-    def label(self) -> str:
-        """One line for figure captions and table footers."""
+    def label(self, others: Mapping[int, Sequence[str]] | None = None) -> str:
+        """One line for figure captions and table footers, naming the devices the figures
+        are for: ``others`` maps a device count to the programs (by name) that ran on that
+        many devices instead of `devices`."""
+        devices = _count(self.devices)
+        if others:
+            devices += (
+                " ("
+                + "; ".join(f"{', '.join(names)} on {_count(n)}" for n, names in others.items())
+                + ")"
+            )
+        per_device = ", per device" if self.devices > 1 or others else ""
         if self.target:
             return (
-                f"{self.device_kind} target ({self.devices} device"
-                f"{'s' if self.devices != 1 else ''}), compiled by XLA's "
+                f"{devices} of {_article(self.device_kind)} {self.device_kind} target"
+                f"{per_device}, compiled by XLA's "
                 f"{'GPU' if self.backend == 'cuda' else self.backend.upper()} compiler without "
                 f"the device (a prediction), jax {self.jax} / jaxlib {self.jaxlib}"
             )
         return (
-            f"{self.backend.upper()} ({self.device_kind}, {self.devices} device"
-            f"{'s' if self.devices != 1 else ''}), jax {self.jax} / jaxlib {self.jaxlib}"
+            f"{self.backend.upper()} ({self.device_kind}), {devices}{per_device}, "
+            f"jax {self.jax} / jaxlib {self.jaxlib}"
         )
+
+
+def _article(name: str) -> str:
+    """ "a" or "an" before `name`, read aloud ("an NVIDIA H100", "a TPU v5e")."""
+    spelled = name[:2].isupper() and name[0] in "AEFHILMNORSX"  # an acronym's first letter
+    return "an" if spelled or name[:1].lower() in "aeiou" else "a"
+
+
+def _count(devices: int) -> str:
+    return f"{devices} device{'s' if devices != 1 else ''}"
+
+
+def label_of(named: Sequence[tuple[str, Provenance]]) -> str:
+    """`Provenance.label` for figures of several programs (name, provenance) in one caption:
+    the device count most of them ran on, and the programs that ran on other counts."""
+    counts = Counter(p.devices for _, p in named)
+    most = max(counts, key=lambda n: (counts[n], n))
+    others: dict[int, list[str]] = {}
+    for name, p in named:
+        if p.devices != most and name not in others.get(p.devices, []):
+            others.setdefault(p.devices, []).append(name)
+    first = next(p for _, p in named if p.devices == most)
+    return first.label(others)
 
 
 def host() -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ._buffers import Buffer
 from ._measure import MemoryReport
+from ._provenance import label_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -63,6 +64,11 @@ def _params(report: MemoryReport) -> str:
     return ", ".join(f"{k}={v}" for k, v in report.params.items())
 
 
+def provenance_label(reports: Sequence[MemoryReport]) -> str:
+    """The reports' `Provenance.label`, naming the devices each program ran on."""
+    return label_of([(r.name, r.provenance) for r in reports])
+
+
 def report_table(reports: Sequence[MemoryReport], caption: str | None = None) -> Table:
     """Per-variant bytes, lower bound and overhead (total / lower bound)."""
     rows = [
@@ -80,7 +86,7 @@ def report_table(reports: Sequence[MemoryReport], caption: str | None = None) ->
         for r in reports
     ]
     if caption is None and reports:
-        caption = f"Compile-time, per device. {reports[0].provenance.label()}."
+        caption = f"Compile-time, per device. {provenance_label(reports)}."
         caveats = dict.fromkeys(c for r in reports for c in r.caveats)
         marked = [r.name for r in reports if r.caveats]
         if caveats:
@@ -168,7 +174,7 @@ def plot_reports(
     ax.legend(
         loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize="small", frameon=False
     )
-    prov = reports[0].provenance.label()
+    prov = provenance_label(reports)
     ax.set_title(f"{title}\n{prov}" if title else prov, fontsize="medium")
     ax.figure.tight_layout()
     return cast("Axes", ax)
@@ -199,7 +205,7 @@ def plot_sweep(
     ax.set_xlabel(x)
     ax.set_ylabel(f"{part} {unit} per device (compile time)")
     ax.legend(fontsize="small")
-    prov = reports[0].provenance.label()
+    prov = provenance_label(reports)
     ax.set_title(f"{title}\n{prov}" if title else prov, fontsize="medium")
     ax.figure.tight_layout()
     return cast("Axes", ax)

@@ -49,7 +49,12 @@ class Case:
         args: ``args(scale, params, concrete)`` gives the inputs: `jax.ShapeDtypeStruct`s,
             or real arrays when `concrete` (only at a runnable scale).
         grid: ``grid(scale)`` lists the params each variant is measured at.
-        floor: optional analytic floor per device, ``floor(variant, scale, params)``.
+        floor: optional analytic floor per device, ``floor(variant, scale, params)``: bytes
+            the program must hold at the least, a lower bound of its compile-time total. A
+            floor that differs by compiler takes a keyword ``platform`` too: the platform
+            whose compiler built the program (``"cpu"``, ``"cuda"``, ``"tpu"``: a target's,
+            or this process's backend), e.g. to leave out an intermediate that XLA's TPU
+            compiler fuses into its consumer and never writes to memory. See `floor_bytes`.
         options: ``options()`` gives the XLA options for every compilation of the case.
         cause: why it happens, in a phrase (the case page shows the evidence).
         recommended: the fix the case page recommends (default: the smallest fix).
@@ -81,7 +86,7 @@ class Case:
     variants: Sequence[Variant]
     args: Callable[[Mapping[str, Any], Params, bool], tuple[Any, ...]]
     grid: Callable[[Mapping[str, Any]], list[dict[str, Any]]]
-    floor: Callable[[Variant, Mapping[str, Any], Params], int] | None = None
+    floor: Callable[..., int] | None = None
     options: Callable[[], Mapping[str, Any]] = dict
     tolerance: float = 1e-5
     runnable_scale: str = "small"
@@ -99,6 +104,19 @@ class Case:
                 return v
         valid = ", ".join(v.name for v in self.variants)
         raise UnknownNameError(f"unknown variant {name!r} of case {self.name!r}; valid: {valid}")
+
+    def floor_bytes(
+        self, variant: Variant, scale: Mapping[str, Any], params: Params, platform: str
+    ) -> int | None:
+        """The case's floor for `variant` compiled by `platform`'s compiler (None: no floor).
+
+        A floor declared without a ``platform`` parameter holds on every compiler.
+        """
+        if self.floor is None:
+            return None
+        if _takes_platform(self.floor):
+            return int(self.floor(variant, scale, params, platform=platform))
+        return int(self.floor(variant, scale, params))
 
     def inputs(
         self, variant: Variant, scale: Mapping[str, Any], params: Params, concrete: bool
@@ -127,6 +145,16 @@ class Case:
         if obj is None or not keyword:
             return obj is not None
         return keyword.rstrip("=)") in inspect.signature(obj).parameters
+
+
+def _takes_platform(floor: Callable[..., int]) -> bool:
+    try:
+        parameters = inspect.signature(floor).parameters
+    except (TypeError, ValueError):  # a builtin or C function: the plain signature
+        return False
+    return "platform" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
 
 
 # Set while the runbook compiles for a target (`runbook.target_devices`): the devices a case

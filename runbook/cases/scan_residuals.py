@@ -151,13 +151,32 @@ def saved_carries(variant: str, steps: int) -> int:
     return steps
 
 
-def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:
-    """Arguments + outputs + the carries the strategy must store (see `saved_carries`)."""
-    hidden, batch, steps = scale["hidden"], scale["batch"], params["steps"]
+def stored_carry_bytes(scale: Mapping[str, Any], platform: str) -> int:
+    """Bytes a compiler must store of one saved carry: a whole float32 carry, or on XLA's
+    TPU compiler a bfloat16 one.
+
+    On the TPU a saved carry is read back only by matrix products, which take their float32
+    operands at bfloat16 by default: XLA's TPU compiler stores the stack already converted,
+    at half the bytes.
+    """
+    return carry_bytes(scale) // 2 if platform == "tpu" else carry_bytes(scale)
+
+
+def floor_bytes(variant: str, scale: Mapping[str, Any], steps: int, platform: str) -> int:
+    """Arguments + outputs + the carries the strategy must store (see `saved_carries`),
+    each at the bytes `platform`'s compiler must store it in (`stored_carry_bytes`)."""
+    hidden: int = scale["hidden"]
+    batch: int = scale["batch"]
     arguments = (hidden * hidden + batch * hidden + steps * hidden) * 4
-    outputs = 4 if variant.name == "forward" else 4 + hidden * hidden * 4
-    floor: int = arguments + outputs + saved_carries(variant.name, steps) * carry_bytes(scale)
-    return floor
+    outputs = 4 if variant == "forward" else 4 + hidden * hidden * 4
+    stored = saved_carries(variant, steps) * stored_carry_bytes(scale, platform)
+    return arguments + outputs + stored
+
+
+def _floor(
+    variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any], platform: str
+) -> int:
+    return floor_bytes(variant.name, scale, params["steps"], platform)
 
 
 CASE = Case(

@@ -95,15 +95,35 @@ def _inputs(scale: Mapping[str, Any], p: Mapping[str, Any], concrete: bool) -> t
     return jnp.asarray(x), jnp.asarray(rng.integers(0, n, n, dtype=np.int32))
 
 
-def floor_bytes(variant: str, n: int) -> int:
-    """Inputs and output (``x``, the indices, one float per index) plus one copy of ``x`` per
-    example in flight: ``n`` under `vmap`, ``k`` for ``lax.map(batch_size=k)``, 1 for the
-    rolled loop, none for the rewrite."""
-    return 3 * 4 * n + _in_flight(variant, n) * 4 * n
+def copies_held(variant: str, n: int, platform: str = "cpu") -> int:
+    """Copies of ``x`` that `platform`'s compiler must hold in memory for `variant`.
+
+    XLA's CPU compiler writes each example's modified copy of ``x`` before summing it: one
+    copy per example in flight. XLA's GPU compiler fuses a single example's update into the
+    sum that reads it (the rolled loop holds no copy), but writes a batch of examples'
+    updates as a scatter into a broadcast of ``x``, which it does not fuse into the sum:
+    one copy per example of the batch. XLA's TPU compiler can place a batch's copies in the
+    chip's on-core memory (memory space 1), which the figures, device memory only, do not
+    count: in device memory it need hold none.
+    """
+    k = _in_flight(variant, n)
+    if platform == "tpu" or (platform != "cpu" and k == 1):
+        return 0
+    return k
 
 
-def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:
-    return floor_bytes(variant.name, scale["n"])
+def floor_bytes(variant: str, n: int, platform: str = "cpu") -> int:
+    """Inputs and output (``x``, the indices, one float per index) plus the copies of ``x``
+    `platform`'s compiler must hold (`copies_held`): on CPU one per example in flight,
+    ``n`` under `vmap`, ``k`` for ``lax.map(batch_size=k)``, 1 for the rolled loop, none
+    for the rewrite."""
+    return 3 * 4 * n + copies_held(variant, n, platform) * 4 * n
+
+
+def _floor(
+    variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any], platform: str
+) -> int:
+    return floor_bytes(variant.name, scale["n"], platform)
 
 
 def _mapped(k: int) -> Variant:

@@ -426,7 +426,7 @@ def host_chart(result: CaseResult, ax: Any = None) -> Figure:
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(reports))]
         ax.bar(xs, [get(r) / 2**20 for r in reports], width, label=label)
     floor = floor_bytes(closure_constant.CASE.scales[result.scale]) / 2**20
-    ax.axhline(floor, color="black", linewidth=1, linestyle="--", label="floor")
+    ax.axhline(floor, color="black", linewidth=1, linestyle="--", label="floor (resident)")
     ax.set_xticks(range(len(reports)), [r.name for r in reports])
     ax.set_ylabel("MiB")
     ax.legend(fontsize=8, loc="upper right")
