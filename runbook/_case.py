@@ -92,6 +92,18 @@ class CaseResult:
             and all(r.params.get(k) == v for k, v in params.items())
         ]
 
+    def figures_of(self, name: str) -> Mapping[str, float]:
+        """Variant `name`'s real-run figures (`Case.figures`): measured on this machine's
+        backend only, never for a target, and not where this JAX lacks the variant's API."""
+        found = self.select(name)
+        if not found or not found[0].figures:
+            where = f"the {self.target.name} target" if self.target else "this result"
+            raise RunbookError(
+                f"no real-run figures for {name!r} in {where}: they are measured on this "
+                "machine's backend only, where this JAX has the variant's API"
+            )
+        return found[0].figures
+
     def one(self, name: str, **params: Any) -> MemoryReport:
         found = self.select(name, **params)
         if len(found) != 1:
@@ -157,6 +169,19 @@ class CaseResult:
 def _needs_child(case: Case) -> bool:
     start_backend()  # this may be a page's first JAX call: the plugins' chatter filtered
     return jax.device_count() < case.devices
+
+
+def measured_here(
+    case: str, result: CaseResult | None, target: str | None, scale: str
+) -> CaseResult:
+    """`result`, else `case` measured on this machine at `scale`: what claims decided by a
+    real run read. A compile target has no run (`RunbookError`)."""
+    if target is not None:
+        raise RunbookError(
+            f"no real-run figures for {target}: {case}'s are measured on this machine's "
+            "backend only"
+        )
+    return result or measure_case(case, scale)
 
 
 def measure_case(

@@ -139,7 +139,7 @@ def test_claims_need_host_figures(seed):
     stripped = dataclasses.replace(
         seed[0], reports=tuple(dataclasses.replace(r, figures={}) for r in seed[0].reports)
     )
-    with pytest.raises(runbook.RunbookError, match="host figures"):
+    with pytest.raises(runbook.RunbookError, match="no real-run figures"):
         page.claims(stripped)
 
 

@@ -174,7 +174,7 @@ def test_claims_need_live_figures(seed):
     stripped = dataclasses.replace(
         seed[0], reports=tuple(dataclasses.replace(r, figures={}) for r in seed[0].reports)
     )
-    with pytest.raises(runbook.RunbookError, match="live figures"):
+    with pytest.raises(runbook.RunbookError, match="no real-run figures"):
         page.claims(stripped)
 
 

@@ -13,9 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _subprocess
-from .._case import CaseResult, measure_case
+from .._case import CaseResult, measure_case, measured_here
 from .._claims import Claim, verdict
-from .._errors import RunbookError
 from .._history import Note
 from .._measure import MemoryReport, measure
 from .._pages import cited_reports_table
@@ -175,22 +174,11 @@ def control_flow_table(rows: list[dict[str, Any]]) -> Table:
     )  # fmt: skip
 
 
-def figures_of(result: CaseResult, name: str) -> Mapping[str, float]:
-    """The host figures of variant `name` (a result measured on this machine's backend)."""
-    r = result.select(name)
-    if not r or not r[0].figures:
-        raise RunbookError(
-            f"no host figures for {name!r}: they are measured on this machine's backend only "
-            "(not for a target)"
-        )
-    return r[0].figures
-
-
 def host_table(result: CaseResult) -> Table:
     """Each variant's host figures beside what memory_analysis says, and the peak against
     the floor and against the recommended fix."""
     s = closure_constant.CASE.scales[result.scale]
-    fix = figures_of(result, RECOMMENDED)[KEY_FIGURE]
+    fix = result.figures_of(RECOMMENDED)[KEY_FIGURE]
     rows = []
     for r in result.reports:
         f = r.figures
@@ -218,7 +206,7 @@ def reports_table(result: CaseResult, flow: list[dict[str, Any]]) -> Table:
 
     `flow` is `control_flow()`.
     """
-    z, r, e = (figures_of(result, n) for n in ("captured-zeros", "captured-random", RECOMMENDED))
+    z, r, e = (result.figures_of(n) for n in ("captured-zeros", "captured-random", RECOMMENDED))
     t = sizes(closure_constant.CASE.scales[result.scale])["table"]
     ours = [
         (
@@ -266,12 +254,8 @@ def claims(
         target: a compile target: no run there decides these claims (`RunbookError`).
         scale: the scale to measure at when `result` is not given.
     """
-    if target is not None:
-        raise RunbookError(
-            f"no host figures for {target}: they are measured on this machine's backend only"
-        )
-    result = result or measure_case("closure-constant", scale)
-    z, r, e = (figures_of(result, n) for n in ("captured-zeros", "captured-random", RECOMMENDED))
+    result = measured_here("closure-constant", result, target, scale)
+    z, r, e = (result.figures_of(n) for n in ("captured-zeros", "captured-random", RECOMMENDED))
     table_bytes = sizes(closure_constant.CASE.scales[result.scale])["table"]
     analysed = result.one("captured-random")
     # Its buffer assignment (the accelerator section measures the same program: cached).

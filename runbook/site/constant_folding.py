@@ -234,17 +234,6 @@ def constant_bytes(report: MemoryReport) -> int:
     return sum(b.size for b in report.buffers if b.kind == "constant")
 
 
-def figures_of(result: CaseResult, name: str) -> Mapping[str, float]:
-    """The run figures of variant `name` (a result measured on this machine's backend)."""
-    r = result.select(name)
-    if not r or not r[0].figures:
-        raise RunbookError(
-            f"no run figures for {name!r}: they are measured on this machine's backend only "
-            "(not for a target), and not where this JAX lacks the variant's API"
-        )
-    return r[0].figures
-
-
 def _cell(f: Mapping[str, float], name: str) -> str:
     if name not in f:
         return "-"
@@ -258,7 +247,7 @@ def _cell(f: Mapping[str, float], name: str) -> str:
 
 def run_table(result: CaseResult) -> Table:
     """Each variant's real compile and run beside what memory_analysis totals."""
-    fix = figures_of(result, RECOMMENDED)[KEY_FIGURE]
+    fix = result.figures_of(RECOMMENDED)[KEY_FIGURE]
     rows = []
     for r in result.reports:
         f = r.figures
@@ -307,8 +296,8 @@ def reports_table(result: CaseResult, cheap: Mapping[str, int]) -> Table:
 
     `cheap` is `iota_expression()`.
     """
-    r = figures_of(result, REPRO)
-    e = figures_of(result, RECOMMENDED)
+    r = result.figures_of(REPRO)
+    e = result.figures_of(RECOMMENDED)
     o = result.select(OPTION)
     option = (
         f"compile {_cell(o[0].figures, 'compile_seconds')} with the pass off against "
@@ -580,7 +569,7 @@ def sweep_chart(rows: list[dict[str, Any]], result: CaseResult, ax: Any = None) 
     seed_table = table_bytes(CASE.scales[result.scale])
     for name, marker in ((REPRO, "o"), (RECOMMENDED, "s")):
         pts = sorted((x["table"], x["compile_seconds"]) for x in rows if x["name"] == name)
-        pts.append((seed_table, figures_of(result, name)["compile_seconds"]))
+        pts.append((seed_table, result.figures_of(name)["compile_seconds"]))
         ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], marker=marker, label=name)
     ax.set_xlabel("table (MiB)")
     ax.set_ylabel("compile (s)")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _cache, _subprocess
-from .._case import CaseResult, measure_case
+from .._case import CaseResult, measured_here
 from .._claims import Claim, verdict
 from .._errors import RunbookError, WontFitError
 from .._pages import cited_reports_table
@@ -191,17 +191,6 @@ def live_figures(
     return dict(runs[variant.name]["figures"])
 
 
-def figures_of(result: CaseResult, name: str) -> Mapping[str, float]:
-    """The figures of variant `name` (a result measured on this machine's backend)."""
-    r = result.select(name)
-    if not r or not r[0].figures:
-        raise RunbookError(
-            f"no live figures for {name!r}: they are measured on this machine's backend only "
-            "(not for a target)"
-        )
-    return r[0].figures
-
-
 def checks(
     errors: Mapping[str, float], steps: int, tolerance: float | None = None
 ) -> list[dict[str, Any]]:
@@ -365,7 +354,7 @@ def others(scale: str | None = None) -> dict[str, Any]:
 
 def reports_table(result: CaseResult) -> Table:
     """What each report says beside what we measure for the same effect."""
-    k, c, y, f = (figures_of(result, n) for n in ("keep-arrays", "cache-arrays", "cycle",
+    k, c, y, f = (result.figures_of(n) for n in ("keep-arrays", "cache-arrays", "cycle",
                                                   RECOMMENDED))  # fmt: skip
     o = others(result.scale)
     one = param_bytes(CASE.scales[result.scale])
@@ -413,14 +402,10 @@ def claims(
         target: a compile target: no run there decides these claims (`RunbookError`).
         scale: the scale to measure at when `result` is not given.
     """
-    if target is not None:
-        raise RunbookError(
-            f"no live figures for {target}: they are measured on this machine's backend only"
-        )
-    result = result or measure_case("live-references", scale)
+    result = measured_here("live-references", result, target, scale)
     s = CASE.scales[result.scale]
     one, steps = param_bytes(s), int(s["steps"])
-    k, c, y, f, b = (figures_of(result, n) for n in
+    k, c, y, f, b = (result.figures_of(n) for n in
                      ("keep-arrays", "cache-arrays", "cycle", RECOMMENDED, "cycle-broken"))  # fmt: skip
     o = others(result.scale)
     totals = {r.name: r.total for r in result.reports}

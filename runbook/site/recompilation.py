@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from .. import _cache, _subprocess
-from .._case import CaseResult, measure_case
+from .._case import CaseResult, measured_here
 from .._claims import Claim, verdict
 from .._errors import RunbookError, WontFitError
 from .._pages import cited_reports_table
@@ -227,17 +227,6 @@ def watched_loop(variant: str, steps: int, mark_step: Callable[[], None]) -> Non
     recompilation.run_loop(variant, scale, steps, on_step=mark_step)
 
 
-def figures_of(result: CaseResult, name: str) -> Mapping[str, float]:
-    """The real-run figures of variant `name` (measured on this machine's backend)."""
-    found = result.select(name)
-    if not found or not found[0].figures:
-        raise RunbookError(
-            f"no real-run figures for {name!r}: they are measured on this machine's backend "
-            "only (not for a target)"
-        )
-    return found[0].figures
-
-
 def trace(result: CaseResult, name: str) -> list[list[int | None]]:
     """Variant `name`'s ``[compilations, resident growth]`` after each step of its loop
     (growth None where the loop did not read it)."""
@@ -294,7 +283,7 @@ def cost_table(result: CaseResult) -> Table:
     s = CASE.scale(result.scale)
     rows = []
     for repro, fix in PAIRS:
-        a, b = figures_of(result, repro), figures_of(result, fix)
+        a, b = result.figures_of(repro), result.figures_of(fix)
         needed = recompilation.rows_needed(fix, s["calls"], s["calls"])
         rows.append(
             [f"{fix} (for {repro})", f"{int(b['rows_count']):,} / {needed:,}",
@@ -466,8 +455,8 @@ def versions_statement() -> Any:
 def reports_table(result: CaseResult) -> Table:
     """What each report says beside the figure we measure for the same effect."""
     s = CASE.scale(result.scale)
-    e, b = figures_of(result, "each-shape"), figures_of(result, RECOMMENDED)
-    st, tr = figures_of(result, "each-static"), figures_of(result, "traced-static")
+    e, b = result.figures_of("each-shape"), result.figures_of(RECOMMENDED)
+    st, tr = result.figures_of("each-static"), result.figures_of("traced-static")
     points = checkpoints(result, "each-shape")
     half = points[len(points) // 2]
     ours = [
@@ -515,15 +504,11 @@ def claims(
         target: a compile target: no run there decides these claims (`RunbookError`).
         scale: the scale to measure at when `result` is not given.
     """
-    if target is not None:
-        raise RunbookError(
-            f"no real-run figures for {target}: they are measured on this machine's backend only"
-        )
-    result = result or measure_case("recompilation", scale)
+    result = measured_here("recompilation", result, target, scale)
     s = CASE.scale(result.scale)
     calls = s["calls"]
-    e, b = figures_of(result, "each-shape"), figures_of(result, RECOMMENDED)
-    st, tr = figures_of(result, "each-static"), figures_of(result, "traced-static")
+    e, b = result.figures_of("each-shape"), result.figures_of(RECOMMENDED)
+    st, tr = result.figures_of("each-static"), result.figures_of("traced-static")
     buckets = len({bucket(r) for r in row_counts(calls)})
     points = checkpoints(result, "each-shape")
     half, end = points[len(points) // 2], points[-1]
