@@ -323,8 +323,13 @@ def _on_target(release: Mapping[str, Any], case: str, target: str) -> dict[str, 
     if found is not None and found["status"] == "ok" and case in found.get("cases", {}):
         return {**release, "backend": found["cases"][case]["backend"],
                 "cases": {case: found["cases"][case]}}  # fmt: skip
-    status = found["status"] if found else "not measured"
-    reason = found["reason"] if found else "this release's file predates target measurements"
+    if found is None:
+        status, reason = "not measured", "this release's file predates target measurements"
+    elif found["status"] == "ok":  # the target compiled other cases in a later `--case` run
+        status = "not measured"
+        reason = f"this release's {target} compiler was measured without this case"
+    else:
+        status, reason = found["status"], found["reason"]
     cpu = release["cases"][case]
     entries = [
         {"name": e["name"], "role": e["role"], "params": e["params"], "status": status,

@@ -213,6 +213,17 @@ def test_statement_absent(tmp_path):
     assert "absent from every measured release" in h.statement()
 
 
+def test_a_target_measured_without_the_case_says_so(tmp_path):
+    # A later `--case` run compiled other cases for the H100: this case is not measured there.
+    older = {**_release("0.6.0", 300, 100), "targets": {"h100": {"status": "ok", "cases": {}}}}
+    (tmp_path / "versions").mkdir()
+    (tmp_path / "versions" / "0.6.0.json").write_text(json.dumps(older))
+    h = history("c", target="h100", data_dir=tmp_path)
+    assert h.releases[0].present is None
+    assert "not measured" in str(h.table())
+    assert "measured without this case" in h.releases[0].notes["repro"]
+
+
 def test_no_files_is_a_clear_error(tmp_path):
     with pytest.raises(RunbookError, match="nox -s versions"):
         load_versions(tmp_path)
