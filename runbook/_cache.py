@@ -63,11 +63,13 @@ def core_hash() -> str:
 @functools.cache
 def module_hash(module: str) -> str:
     """A case module's source (``runbook.cases.gather_grad``); for a case's page module
-    (``runbook.site.gather_grad``), its source and its case's, which it measures."""
+    (``runbook.site.gather_grad``), its source and its case's, which it measures (a site
+    module that is no case's page: its own source)."""
     relative = module.split(".", 1)[1].replace(".", "/") + ".py"
     paths = [PACKAGE / relative]
-    if relative.startswith("site/"):
-        paths.append(PACKAGE / "cases" / relative.removeprefix("site/"))
+    case = PACKAGE / "cases" / relative.removeprefix("site/")
+    if relative.startswith("site/") and case.exists():
+        paths.append(case)
     return _hash_files(paths)
 
 

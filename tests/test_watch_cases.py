@@ -33,3 +33,11 @@ def test_recommended_fix_draws_no_finding(rows, case):
     r = rows[case, "fix"]
     assert r["steps"] == watched_cases.CASES[case]
     assert r["cases"] == [], r
+
+
+def test_a_watched_loop_is_cached_like_the_pages(tmp_path, monkeypatch):
+    # The docs build sets a cache folder: the watched loops' keys must name real sources.
+    monkeypatch.setenv("RUNBOOK_CACHE_DIR", str(tmp_path))
+    first = watched_cases.watched("live-references", "keep-floats")
+    assert list(tmp_path.rglob("*.json"))
+    assert watched_cases.watched("live-references", "keep-floats") == first

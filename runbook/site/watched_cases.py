@@ -38,7 +38,9 @@ def _watch_json(case: str, variant: str, steps: int) -> dict[str, Any]:
 def watched(case: str, variant: str) -> dict[str, Any]:
     """`_watch_json` for one loop, in a fresh process, cached like the pages' measurements."""
     steps = CASES[case]
-    request = {"kind": "watched-case", "case": case, "variant": variant, "steps": steps}
+    page = f"runbook.site.{_CASES[case].rsplit('.', 1)[1]}"  # the loop's page and case modules
+    request = {"kind": "watched-case", "case": case, "variant": variant, "steps": steps,
+               "watcher": _cache.module_hash(__name__)}  # fmt: skip
     got: dict[str, Any] = _cache.cached(
         request,
         functools.partial(
@@ -48,7 +50,7 @@ def watched(case: str, variant: str) -> dict[str, Any]:
             variant=variant,
             steps=steps,
         ),
-        module=__name__,
+        module=page,
     )
     return got
 
