@@ -38,6 +38,12 @@ exclude_patterns = [
     "README.md",
 ]
 nitpicky = True  # also for builds that do not pass -n (Read the Docs)
+# Types in the attributes of `runbook.Diagnosis` with no page of their own (and no offline
+# inventory for the standard library's).
+nitpick_ignore = [
+    ("py:class", "collections.abc.Mapping"),
+    ("py:class", "runbook._program.NearMiss"),
+]
 
 # Every page runs at build time; a cell that raises fails the build.
 nb_execution_mode = "force"
