@@ -212,17 +212,18 @@ def _fold_loop(n: int, **overrides) -> Watch:
 
 
 def test_constant_folding_named_and_its_threshold():
-    w = _fold_loop(2**20, compile_host=16 * 2**20, slow_compile=600.0)
+    # The rise of the host's peak is exact where the compile sets the process's peak, and a
+    # lower bound late in a long test run, whose peak was set before: the threshold is put
+    # at what this run measured. tests/test_watch_cases.py names the case in a fresh process.
+    w = _fold_loop(2**20, compile_host=2**40, slow_compile=600.0)
     (c,) = [c for c in w.compiles if "lookup" in c.function]
     assert c.host_rise is not None
-    assert c.host_rise >= 16 * 2**20
-    (f,) = w.findings
+    worst = max(x.host_rise or 0 for x in w.compiles)
+    (f,) = w.findings_for(compile_host=worst, slow_compile=600.0)
     assert f.case == "constant-folding"
-    assert f.bytes == max(x.host_rise or 0 for x in w.compiles)
+    assert f.bytes == worst
     _check_link(f)
-    worst = f.bytes
-    assert w.findings_for(compile_host=worst + 1) == ()  # just above what it took: silent
-    assert w.findings_for(compile_host=worst)[0].case == "constant-folding"
+    assert w.findings_for(compile_host=worst + 1, slow_compile=600.0) == ()  # just above: silent
     # and the seconds: the compile's own time decides
     assert w.findings_for(compile_host=2**40, slow_compile=c.seconds * 1.01 + 1e-6) == ()
     assert w.findings_for(compile_host=2**40, slow_compile=c.seconds * 0.99)
