@@ -33,8 +33,19 @@ def verdicts(seed):
     return {c.key: c.verdict for c in page.claims(seed[0])}
 
 
+# XLA's slow-folding alarm is a one-second timer: whether it fires depends on how fast this
+# machine folds the table (on jax 0.12.0.1 it fired in the recorded run and not in a later
+# one). Its verdict is shown per release, not pinned.
+UNSTEADY = {"warning"}
+
+
 def test_verdicts_are_the_ones_this_release_recorded(verdicts, recorded):
-    assert verdicts == recorded("constant-folding")
+    expected = recorded("constant-folding")
+    assert set(verdicts) == set(expected)
+    assert {k: v for k, v in verdicts.items() if k not in UNSTEADY} == {
+        k: v for k, v in expected.items() if k not in UNSTEADY
+    }
+    assert all(verdicts[k] in ("confirmed", "refuted", "not reproducible here") for k in UNSTEADY)
 
 
 def test_whole_case_measured_within_a_minute(seed):
