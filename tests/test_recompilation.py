@@ -122,9 +122,9 @@ def test_floor_holds_on_the_targets(target):
 
 def test_loops_give_the_same_losses():
     tiny = CASE.scales["tiny"]
-    shapes = {v: recompilation.run_loop(v, tiny, 6) for v in ("each-shape", "bucketed")}
+    shapes = {v: page.run_loop(v, tiny, 6) for v in ("each-shape", "bucketed")}
     np.testing.assert_allclose(shapes["bucketed"], shapes["each-shape"], rtol=1e-5)
-    statics = {v: recompilation.run_loop(v, tiny, 4) for v in ("each-static", "traced-static")}
+    statics = {v: page.run_loop(v, tiny, 4) for v in ("each-static", "traced-static")}
     np.testing.assert_allclose(statics["traced-static"], statics["each-static"], rtol=1e-5)
     assert len(set(statics["each-static"])) == 4  # the temperature changes the loss
 
@@ -158,10 +158,10 @@ def test_buckets_and_padding():
     assert padded[5:].sum() == 0
     assert padded[:5].sum() == 15
     assert sorted(row_counts(7)) == list(range(1, 8))
-    needed = recompilation.rows_needed("bucketed", CALLS, CALLS)
+    needed = page.rows_needed("bucketed", CALLS, CALLS)
     assert needed == CALLS * (CALLS + 1) // 2
-    assert recompilation.rows_computed("bucketed", CALLS, CALLS) > needed
-    assert recompilation.rows_computed("each-shape", CALLS, CALLS) == needed
+    assert page.rows_computed("bucketed", CALLS, CALLS) > needed
+    assert page.rows_computed("each-shape", CALLS, CALLS) == needed
 
 
 def test_watched_loop_marks_each_step_and_compiles_per_new_shape():

@@ -176,49 +176,12 @@ def temperatures(calls: int) -> list[float]:
     return [1.0 + 1.0 / (1 + i) for i in range(calls)]
 
 
-def loop_inputs(variant: str, scale: Mapping[str, Any], steps: int) -> tuple[Any, ...]:
-    """What `variant`'s loop runs on besides its step and weights, for `steps` steps:
-    batches of every row count 1 to `steps` (shapes), or batches of `calls` rows with a
-    temperature each (statics)."""
-    if variant in ("each-shape", "bucketed"):
-        return (batches(scale, row_counts(steps)),)
-    return (batches(scale, [scale["calls"]] * steps), temperatures(steps))
-
-
 LOOPS: dict[str, Callable[..., list[float]]] = {
     "each-shape": run_each_shape,
     "bucketed": run_bucketed,
     "each-static": run_each_static,
     "traced-static": run_traced_static,
 }
-
-
-def run_loop(
-    variant: str,
-    scale: Mapping[str, Any],
-    steps: int,
-    on_step: Callable[[], None] | None = None,
-    step: Callable[..., Any] | None = None,
-) -> list[float]:
-    """`variant`'s loop for `steps` steps at `scale`, with a new jitted step unless given."""
-    return LOOPS[variant](
-        step or make_step(variant),
-        init_params(scale),
-        *loop_inputs(variant, scale, steps),
-        on_step=on_step,
-    )
-
-
-def rows_computed(variant: str, steps: int, calls: int) -> int:
-    """Rows the loop's steps compute, padding included (the rows needed: `rows_needed`)."""
-    if variant == "bucketed":
-        return sum(bucket(r) for r in row_counts(steps))
-    return rows_needed(variant, steps, calls)
-
-
-def rows_needed(variant: str, steps: int, calls: int) -> int:
-    """Rows the loop's batches hold."""
-    return sum(row_counts(steps)) if variant in ("each-shape", "bucketed") else steps * calls
 
 
 # The compile-time programs: one step at the grid point (the largest batch), as compiled.

@@ -127,6 +127,50 @@ def _private_step(variant: str) -> Callable[..., Any]:
     )
 
 
+def loop_inputs(variant: str, scale: Mapping[str, Any], steps: int) -> tuple[Any, ...]:
+    """What `variant`'s loop runs on besides its step and weights, for `steps` steps:
+    batches of every row count 1 to `steps` (shapes), or batches of `calls` rows with a
+    temperature each (statics)."""
+    if variant in ("each-shape", "bucketed"):
+        return (recompilation.batches(scale, recompilation.row_counts(steps)),)
+    return (
+        recompilation.batches(scale, [scale["calls"]] * steps),
+        recompilation.temperatures(steps),
+    )
+
+
+def run_loop(
+    variant: str,
+    scale: Mapping[str, Any],
+    steps: int,
+    on_step: Callable[[], None] | None = None,
+    step: Callable[..., Any] | None = None,
+) -> list[float]:
+    """`variant`'s loop for `steps` steps at `scale`, with a new jitted step unless given."""
+    return recompilation.LOOPS[variant](
+        step or recompilation.make_step(variant),
+        recompilation.init_params(scale),
+        *loop_inputs(variant, scale, steps),
+        on_step=on_step,
+    )
+
+
+def rows_computed(variant: str, steps: int, calls: int) -> int:
+    """Rows the loop's steps compute, padding included (the rows needed: `rows_needed`)."""
+    if variant == "bucketed":
+        return sum(bucket(r) for r in recompilation.row_counts(steps))
+    return rows_needed(variant, steps, calls)
+
+
+def rows_needed(variant: str, steps: int, calls: int) -> int:
+    """Rows the loop's batches hold."""
+    return (
+        sum(recompilation.row_counts(steps))
+        if variant in ("each-shape", "bucketed")
+        else steps * calls
+    )
+
+
 def warm_up(variant: str, scale: Mapping[str, Any], weights: Mapping[str, jax.Array]) -> None:
     """Run `variant`'s loop for `WARM_UPS` steps on a step of its own (`_private_step`): the
     smallest row counts, or temperatures off the schedule. What a process pays once for its
@@ -153,7 +197,7 @@ def _loop_json(variant: str, scale: dict[str, Any], params: dict[str, Any]) -> d
     run = recompilation.LOOPS[variant]
     warm_up(variant, scale, weights)
     step = recompilation.make_step(variant)
-    inputs = recompilation.loop_inputs(variant, scale, calls)
+    inputs = loop_inputs(variant, scale, calls)
     base, before = _settle(), compiles()
     trace: list[list[int | None]] = []
     every = max(calls // CHECKPOINTS, 1)
@@ -178,7 +222,7 @@ def _loop_json(variant: str, scale: dict[str, Any], params: dict[str, Any]) -> d
     start = time.perf_counter()
     run(step, weights, *inputs)
     figures["rerun_seconds"] = time.perf_counter() - start
-    figures["rows_count"] = recompilation.rows_computed(variant, calls, calls)
+    figures["rows_count"] = rows_computed(variant, calls, calls)
     del step
     figures["rss_deleted"] = _settle() - base
     clear = getattr(jax, "clear_caches", None)
@@ -224,7 +268,7 @@ def watched_loop(variant: str, steps: int, mark_step: Callable[[], None]) -> Non
     """`variant`'s loop at the runnable scale for `steps` steps, calling `mark_step()` after
     each (for `runbook.watch`): the case's own loop, with a new jitted step."""
     scale = CASE.scale(CASE.runnable_scale)
-    recompilation.run_loop(variant, scale, steps, on_step=mark_step)
+    run_loop(variant, scale, steps, on_step=mark_step)
 
 
 def trace(result: CaseResult, name: str) -> list[list[int | None]]:
@@ -284,7 +328,7 @@ def cost_table(result: CaseResult) -> Table:
     rows = []
     for repro, fix in PAIRS:
         a, b = result.figures_of(repro), result.figures_of(fix)
-        needed = recompilation.rows_needed(fix, s["calls"], s["calls"])
+        needed = rows_needed(fix, s["calls"], s["calls"])
         rows.append(
             [f"{fix} (for {repro})", f"{int(b['rows_count']):,} / {needed:,}",
              f"{b['rows_count'] / needed:.2f}x", f"{b['rerun_seconds'] / a['rerun_seconds']:.2f}x",
@@ -346,7 +390,7 @@ def explain_misses(steps: int = 3) -> dict[str, str]:
         old = jax.config.jax_explain_cache_misses
         try:
             jax.config.update("jax_explain_cache_misses", True)
-            recompilation.run_loop(variant, scale, steps)
+            run_loop(variant, scale, steps)
         finally:
             jax.config.update("jax_explain_cache_misses", old)
             logger.removeHandler(handler)
@@ -513,7 +557,7 @@ def claims(
     points = checkpoints(result, "each-shape")
     half, end = points[len(points) // 2], points[-1]
     excess = e[KEY_FIGURE] - b[KEY_FIGURE]
-    needed = recompilation.rows_needed(RECOMMENDED, calls, calls)
+    needed = rows_needed(RECOMMENDED, calls, calls)
     repro_total, fix_total = result.one("each-shape").total, result.one(RECOMMENDED).total
     misses = explain_misses()
     width = CASE.scale("tiny")["features"]
