@@ -202,6 +202,18 @@ def test_unrolled_python_loop():
     assert not runbook.diagnose(rolled_products, xs).findings
 
 
+def products_per_output(xs):
+    # The same loop's products, each returned on its own (as per-layer gradients are): a
+    # rolled loop would return them all too, so this is not the unrolled-loop mechanism.
+    return [jnp.tanh(a @ a.T) for a in (xs[i].reshape(-1, 128) for i in range(xs.shape[0]))]
+
+
+def test_values_each_feeding_their_own_output_are_not_an_unrolled_loop():
+    d = runbook.diagnose(products_per_output, S((16, 1024 * 128), f32))
+    assert not named(d, "pmap-loop"), str(d)
+    assert d.report.total >= 16 * 1024 * 1024 * 4  # the products are there, as outputs
+
+
 REPLICATED = textwrap.dedent(
     """
     import json, jax, jax.numpy as jnp, runbook

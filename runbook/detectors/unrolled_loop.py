@@ -5,6 +5,10 @@ copy of the body per iteration. Where the iterations do not depend on one anothe
 may compute them side by side, so the same-shape temporaries of one source line exist
 once per iteration at the same time. A rolled loop (``lax.fori_loop``, ``lax.scan``,
 ``lax.map``) keeps one iteration's.
+
+Values that each feed outputs of their own (one weight gradient per layer, each updating
+its own layer) are left out: a rolled loop would still return every one of them, so
+rolling it would not free them.
 """
 
 from __future__ import annotations
@@ -27,12 +31,62 @@ def rule() -> str:
     return (
         f"same-shape temporaries from one source line, at least {MIN_REPEATS} of them computed "
         f"from none of the others and at least {MIN_REPEATS} live at once, all such lines "
-        f"together at least {MIN_SHARE:.0%} of the program's total (values inside loops are "
-        "left out)"
+        f"together at least {MIN_SHARE:.0%} of the program's total (values inside loops, and "
+        "values that each feed outputs no other of them feeds, are left out)"
     )
 
 
 _Group = tuple[str, str, list[Value], set[str], int]
+
+
+# Instructions that compute a tuple element by element from their operands (XLA combines
+# the per-layer all-reduces of a gradient into one): followed element-wise, not as a whole.
+_ELEMENTWISE_TUPLES = {"tuple", "all-reduce", "all-reduce-start", "all-gather",
+                       "all-gather-start", "reduce-scatter", "all-to-all"}  # fmt: skip
+
+
+def _outputs_reached(program: Program, name: str, outputs: dict[str, set[int]]) -> set[int]:
+    """The program's outputs (by position) that `name` feeds, through any chain of users."""
+    users = program.module.users
+    reached: set[int] = set()
+    # (instruction, the tuple element that carries `name`'s value, or None for all of it)
+    stack: list[tuple[str, int | None]] = [(name, None)]
+    seen = set(stack)
+    while stack:
+        n, element = stack.pop()
+        if element is None:
+            reached |= outputs.get(n, set())
+        for user in users.get(n, ()):
+            nxt: tuple[str, int | None]
+            if element is not None and user.opcode == "get-tuple-element":
+                if user.tuple_index != element:
+                    continue
+                nxt = (user.name, None)
+            elif element is not None and user.opcode.endswith("-done"):
+                nxt = (user.name, element)
+            elif element is None and user.opcode in _ELEMENTWISE_TUPLES and len(user.operands) > 1:
+                nxt = (user.name, user.operands.index(n))
+            else:
+                nxt = (user.name, None)
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return reached
+
+
+def _per_output(program: Program, names: set[str]) -> bool:
+    """Whether each of `names` feeds some output and no two feed the same one: values a
+    program returns one by one (per-layer gradients), which no rolled loop would free."""
+    outputs: dict[str, set[int]] = defaultdict(set)
+    for index, inst in program.outputs():
+        outputs[inst.name].add(index[0] if index else 0)
+    claimed: set[int] = set()
+    for n in names:
+        reached = _outputs_reached(program, n, outputs)
+        if not reached or reached & claimed:
+            return False
+        claimed |= reached
+    return True
 
 
 def _repeats(program: Program) -> list[_Group]:
@@ -57,6 +111,8 @@ def _repeats(program: Program) -> list[_Group]:
         # of a network) only the first is; in an unrolled loop of independent iterations
         # every iteration's first value is.
         starts = {n for n in names if not (program.module.ancestors(n) & names)}
+        if len(starts) >= 2 and _per_output(program, starts):
+            continue
         size = max(v.size for v in values)
         together = program.peak(values) // size if size else 0
         out.append((shape, source, values, starts, together))
