@@ -61,10 +61,8 @@ def docs(session: nox.Session) -> None:
     build = ROOT / "docs" / "_build"
     if "--fresh" in session.posargs:
         shutil.rmtree(build, ignore_errors=True)
-    session.run(
-        "sphinx-build", "-j", "auto", "-n", "-T", "-W", "--keep-going", "-b", "html",
-        "docs", str(build / "html"), env=env,
-    )  # fmt: skip
+    # The same command as Read the Docs' (see .readthedocs.yaml).
+    session.run("python", "docs/_tools/build_site.py", str(build / "html"), env=env)
 
 
 @nox.session(default=False)
