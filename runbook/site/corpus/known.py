@@ -32,8 +32,8 @@ FALSE_ALARMS: dict[str, dict[str, str]] = {
     },
 }
 # The eight gathered weights of gathered-layers-loop (the dict comprehension gathers every
-# layer whole before the loop uses them) are live at once on both releases; the rule groups
-# by source line, and 0.12's all-gathers carry none (only the parameter's path).
+# layer whole before the loop uses them), named on 0.10.2. The rule groups values by source
+# line, and 0.12's all-gathers carry none (only the parameter's path).
 GATHERED = {
     "gathered-layers-loop": {
         "pmap-loop": "the eight gathered weights, one per layer from one source line and "
