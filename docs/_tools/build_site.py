@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         sys.exit(__doc__)
-    status, port_taken = build(str(Path(args[0]).resolve()))
+    output = str(Path(args[0]).resolve())  # Sphinx runs from the repository's root
+    status, port_taken = build(output)
     if status and port_taken:
         print("build_site: a page's kernel found its port taken at start "
               "(jupyter/jupyter_client#487); building again", flush=True)  # fmt: skip
-        status, _ = build(str(Path(args[0]).resolve()))
+        status, _ = build(output)
     return status
 
 
