@@ -74,12 +74,17 @@ def _outputs_reached(program: Program, name: str, outputs: dict[str, set[int]]) 
     return reached
 
 
-def _per_output(program: Program, names: set[str]) -> bool:
-    """Whether each of `names` feeds some output and no two feed the same one: values a
-    program returns one by one (per-layer gradients), which no rolled loop would free."""
+def _output_positions(program: Program) -> dict[str, set[int]]:
+    """Each instruction that computes a program output -> the outputs' positions."""
     outputs: dict[str, set[int]] = defaultdict(set)
     for index, inst in program.outputs():
         outputs[inst.name].add(index[0] if index else 0)
+    return outputs
+
+
+def _per_output(program: Program, names: set[str], outputs: dict[str, set[int]]) -> bool:
+    """Whether each of `names` feeds some output and no two feed the same one: values a
+    program returns one by one (per-layer gradients), which no rolled loop would free."""
     claimed: set[int] = set()
     for n in names:
         reached = _outputs_reached(program, n, outputs)
@@ -103,6 +108,7 @@ def _repeats(program: Program) -> list[_Group]:
     # Every line whose temporaries repeat, independently and at once: one finding for them
     # all (the loop's other lines repeat with it).
     out: list[_Group] = []
+    outputs = _output_positions(program)
     for (shape, source), values in groups.items():
         names = {v.instruction for v in values}
         if len(names) < 2:
@@ -111,7 +117,7 @@ def _repeats(program: Program) -> list[_Group]:
         # of a network) only the first is; in an unrolled loop of independent iterations
         # every iteration's first value is.
         starts = {n for n in names if not (program.module.ancestors(n) & names)}
-        if len(starts) >= 2 and _per_output(program, starts):
+        if len(starts) >= 2 and _per_output(program, starts, outputs):
             continue
         size = max(v.size for v in values)
         together = program.peak(values) // size if size else 0
