@@ -130,7 +130,15 @@ def versions(session: nox.Session, release: str) -> None:
     if nvcc:
         env["CUDA_ROOT"] = str(nvcc[0])
     out = ROOT / "docs" / "_data" / "versions" / f"{release}.json"
-    session.run("python", "-m", "runbook._matrix", "--out", str(out), *session.posargs, env=env)
+    session.run(
+        "python",
+        "-m",
+        "runbook.site.producers.matrix",
+        "--out",
+        str(out),
+        *session.posargs,
+        env=env,
+    )
 
 
 @nox.session(default=False)
@@ -139,7 +147,7 @@ def bench(session: nox.Session) -> None:
     builds (cold, warm, after a one-line case edit). Writes docs/_data/bench/bench.json."""
     session.install("-e.[targets]", *nox.project.dependency_groups(PROJECT, "docs"))
     out = ROOT / "docs" / "_data" / "bench" / "bench.json"
-    session.run("python", "-m", "runbook._bench", "--out", str(out), "--docs", *session.posargs,
+    session.run("python", "-m", "runbook.site.producers.bench", "--out", str(out), "--docs", *session.posargs,
                 env=CPU_ONLY)  # fmt: skip
 
 
@@ -151,7 +159,7 @@ def gpu(session: nox.Session) -> None:
     """
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
     session.run(
-        "python", "-m", "runbook._gpu", "--out-dir", str(ROOT / "docs" / "_data" / "gpu"),
+        "python", "-m", "runbook.site.producers.gpu", "--out-dir", str(ROOT / "docs" / "_data" / "gpu"),
         *session.posargs, env={"PYTHONPATH": path},
     )  # fmt: skip
 

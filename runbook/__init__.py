@@ -29,11 +29,11 @@ with plugin_chatter():  # the GPU compiler plugin, if installed, logs its missin
     import jax  # noqa: F401
 
 # The public names load on first use, so that `import runbook.cases.<case>` (the file a
-# reader copies from) brings in only the case and `runbook._spec`, not the measuring core.
+# reader copies from) brings in only the case and `runbook._case_types`, not the measuring core.
 _PUBLIC = {
     "Buffer": "_buffers",
-    "Case": "_spec",
-    "Variant": "_spec",
+    "Case": "_case_types",
+    "Variant": "_case_types",
     "CaseResult": "_case",
     "case_names": "_case",
     "get_case": "_case",
@@ -89,6 +89,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what the names above are, for type checkers and editors
     from ._buffers import Buffer
     from ._case import CaseResult, case_names, get_case, measure_case, verify
+    from ._case_types import Case, Variant
     from ._diagnose import Diagnosis, Finding, diagnose
     from ._errors import DoesNotFitError, RunbookError, UnknownNameError, WontFitError
     from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
@@ -104,7 +105,6 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and editors
         report_table,
     )
     from ._runtime import RuntimePeak, runtime_peak
-    from ._spec import Case, Variant
     from ._subprocess import ChildCrashed
     from ._targets import Target, get_target, target_devices, targets
     from ._watch import Watch, watch

@@ -14,11 +14,11 @@ import numpy as np
 
 from . import _cache, _subprocess, _targets
 from ._buffers import Buffer
+from ._case_types import Case, Params, Variant
 from ._errors import DoesNotFitError, RunbookError, UnknownNameError
 from ._measure import MemoryReport, compile_fn, measure
 from ._provenance import Provenance
 from ._quiet import start_backend
-from ._spec import Case, Params, Variant
 
 _CASES = {
     "gather-grad": "runbook.cases.gather_grad",

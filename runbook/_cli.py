@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ._case import CaseResult, case_names, get_case, measure_case
-from ._diagnose import diagnose_spec
+from ._diagnose import diagnose_locator
 from ._errors import RunbookError
 from ._quiet import start_backend
 from ._render import figures_table, fmt_bytes, provenance_label, report_table
@@ -40,10 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     diag = sub.add_parser(
         "diagnose", help="name the known memory problems of your own function, and their fixes"
     )
-    diag.add_argument("function", help="path/to/file.py:function (a function or a jax.jit)")
+    diag.add_argument("function", help="locator path/to/file.py:function (a function or a jax.jit)")
     diag.add_argument(
         "--args",
-        help="path/to/file.py:make_args, a function returning the arguments as a tuple "
+        help="locator path/to/file.py:make_args, a function returning the arguments as a tuple "
         "(jax.ShapeDtypeStruct allocates nothing)",
     )
     diag.add_argument(
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         "otherwise --step-on NAME wraps the module-level function NAME of that file (e.g. "
         "your jitted train step) so that each call marks a step.",
     )
-    watch.add_argument("function", help="path/to/file.py:main")
+    watch.add_argument("function", help="locator path/to/file.py:main")
     watch.add_argument("--steps", type=int, help="stop after this many steps")
     watch.add_argument(
         "--step-on",
@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "diagnose":
             if args.target is not None:
                 get_target(args.target)
-            diagnosis = diagnose_spec(args.function, args.args, target=args.target)
+            diagnosis = diagnose_locator(args.function, args.args, target=args.target)
             print(json.dumps(diagnosis.to_json(), indent=1) if args.json else diagnosis)
             return 0
 
@@ -113,10 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _watch(spec: str, steps: int | None, step_on: str | None, as_json: bool) -> int:
-    from ._watch_run import run_spec
+def _watch(locator: str, steps: int | None, step_on: str | None, as_json: bool) -> int:
+    from ._watch_run import run_locator
 
-    w, error = run_spec(spec, steps=steps, step_on=step_on)
+    w, error = run_locator(locator, steps=steps, step_on=step_on)
     print(json.dumps(w.to_json(), indent=1) if as_json else w)  # what was recorded, always
     if error:
         print(f"runbook: error: {error}", file=sys.stderr)

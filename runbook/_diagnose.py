@@ -8,9 +8,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _subprocess, _targets
+from . import _targets
 from ._buffers import Buffer
-from ._errors import DoesNotFitError
+from ._errors import DoesNotFitError, RunbookError
+from ._locator import load_callable, one_line
 from ._measure import MemoryReport
 from ._program import Finding, NearMiss, Program
 from ._render import Table, fmt_bytes
@@ -488,205 +489,31 @@ def diagnose(
     )
 
 
-def detector_table() -> Table:
-    """What each detector of `runbook.detectors.DETECTORS` looks for, and its thresholds."""
-    import sys
-
-    from ._case import case_names
-    from .detectors import DETECTORS
-
-    rows = []
-    for detect in DETECTORS:
-        module = sys.modules[detect.__module__]
-        case = getattr(module, "CASE", None)
-        exists = case in case_names()
-        rows.append(
-            [
-                getattr(module, "PATTERN", detect.__module__),
-                case if exists else f"{case} (case to come)",
-                module.rule() if hasattr(module, "rule") else "",
-            ]
-        )
-    return Table(["finding", "case", "how it is recognised in the compiled program"], rows)
-
-
-# --- the runbook's own cases, diagnosed -------------------------------------------------------
-
-
-def diagnose_case(
-    name: str,
-    variant: str | None = None,
-    *,
-    scale: str = "seed",
-    at: Mapping[str, Any] | None = None,
-    target: str | None = None,
-) -> Diagnosis:
-    """Diagnose one program of a case (default: its reproduction at its worst grid point).
-
-    Compiled the way `runbook.measure_case` compiles it (a case that needs more devices
-    than this process has runs in a child process with simulated devices).
-    """
-    from ._accelerator import worst_point
-    from ._case import _needs_child, get_case, measure_case
-
-    case = get_case(name)
-    size = case.scale(scale)
-    t = _targets.resolve(target)
-    chosen = (
-        case.variant(variant)
-        if variant
-        else next(v for v in case.variants if v.role == "reproduction")
-    )
-    if at is None:
-        repro = next(v for v in case.variants if v.role == "reproduction")
-        at = worst_point(measure_case(name, scale, variants=[repro.name], target=t))
-    if t is None and _needs_child(case):
-        record = _subprocess.call(
-            "runbook._diagnose:_diagnose_case_record",
-            devices=case.devices,
-            name=name,
-            variant=chosen.name,
-            scale=scale,
-            at=dict(at),
-        )
-        return Diagnosis.from_record(record)
-    with _targets.compiling_for(t):
-        return diagnose(
-            chosen.program(at),
-            *case.inputs(chosen, size, at, False),
-            target=t,
-            compiler_options=case.options() if t is None else None,
-            name=chosen.name,
-        )
-
-
-def _diagnose_case_record(
-    name: str, variant: str, scale: str, at: dict[str, Any]
-) -> dict[str, Any]:
-    return diagnose_case(name, variant, scale=scale, at=at).to_record()
-
-
-def case_diagnoses(scale: str = "seed") -> list[tuple[str, str, Diagnosis]]:
-    """Every compile-time case's reproduction and recommended fix, diagnosed at the
-    reproduction's worst point: ``(case, variant, diagnosis)`` (runtime cases are
-    `runbook.watch`'s)."""
-    from ._accelerator import recommended, worst_point
-    from ._case import case_names, get_case, measure_case
-
-    out = []
-    for name in [n for n in case_names() if not get_case(n).runtime]:
-        result = measure_case(name, scale)
-        at = worst_point(result)
-        repro = next(r for r in result.select(role="reproduction", **at))
-        fix = recommended(result, at)
-        for report in (repro, fix):
-            if report is not None:
-                out.append(
-                    (name, report.name, diagnose_case(name, report.name, scale=scale, at=at))
-                )
-    return out
-
-
-def case_diagnosis_table(scale: str = "seed") -> Table:
-    """Each case's reproduction and recommended fix as `diagnose` sees them (a site table)."""
-    rows, labels = [], []
-    for name, variant, d in case_diagnoses(scale):
-        labels.append(d.report.provenance.label())
-        named = [f for f in d.findings if f.case == name]
-        own = max((f.bytes for f in named), default=0)
-        others = [f"{f.case or f.pattern} ({d._share(f)})" for f in d.findings if f.case != name]
-        rows.append(
-            [
-                name,
-                variant,
-                fmt_bytes(d.report.total),
-                f"{fmt_bytes(own)} ({own / d.report.total:.0%})" if named else "none",
-                ", ".join(others) or "none",
-                f"{d.seconds:.1f} s",
-            ]
-        )
-    return Table(
-        ["case", "program", "total", "finding of its own case", "other findings", "diagnosed in"],
-        rows,
-        f"Each case's reproduction and recommended fix at the reproduction's worst point, "
-        f"scale {scale!r}. " + "; ".join(dict.fromkeys(labels)) + ".",
-    )
-
-
 # --- the command line: `python -m runbook diagnose file.py:function --args file.py:make_args`
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {line}" if line else type(error).__name__
-
-
-def load_callable(spec: str, what: str = "function") -> Callable[..., Any]:
-    """The callable named by ``path/to/file.py:name`` (the file is imported as a module).
-
-    Raises:
-        RunbookError: the spec is malformed, the file is missing or fails to import, or it
-            has no callable of that name; the message is one line.
-    """
-    import importlib.util
-    import pathlib
-    import sys
-
-    from ._errors import RunbookError
-
-    path_text, sep, name = spec.rpartition(":")
-    if not sep or not path_text or not name:
-        raise RunbookError(f"`{spec}`: expected path/to/file.py:{what}")
-    path = pathlib.Path(path_text)
-    if not path.is_file():
-        raise RunbookError(f"`{spec}`: no such file {path_text!r}")
-    module_name = f"_runbook_user_{abs(hash(str(path.resolve())))}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        if loader is None or loader.loader is None:
-            raise RunbookError(f"`{spec}`: {path_text!r} is not a Python file")
-        module = importlib.util.module_from_spec(loader)
-        sys.path.insert(0, str(path.resolve().parent))  # its own imports of its neighbours
-        try:
-            loader.loader.exec_module(module)
-        except Exception as e:  # the user's file: whatever it raises, say so in one line
-            raise RunbookError(f"`{spec}`: importing {path_text!r} failed: {_one_line(e)}") from e
-        finally:
-            sys.path.remove(str(path.resolve().parent))
-        sys.modules[module_name] = module
-    found: object = getattr(module, name, None)
-    if found is None:
-        raise RunbookError(f"`{spec}`: {path_text!r} has no {what} named {name!r}")
-    if not callable(found):
-        raise RunbookError(f"`{spec}`: {name!r} is a {type(found).__name__}, not a {what}")
-    return found
-
-
-def diagnose_spec(
-    spec: str, args_spec: str | None = None, *, target: str | None = None
+def diagnose_locator(
+    locator: str, args_locator: str | None = None, *, target: str | None = None
 ) -> Diagnosis:
-    """`diagnose` for ``file.py:function``, its arguments from ``file.py:make_args()``.
+    """`diagnose` for a locator ``file.py:function``, its arguments from the locator
+    ``file.py:make_args`` (called with no arguments).
 
     `make_args` returns the arguments as a tuple (anything else is the one argument); give
     `jax.ShapeDtypeStruct`s to allocate nothing. Every failure of the user's code (import,
     `make_args`, tracing) is a `RunbookError` with a one-line message.
     """
-    from ._errors import RunbookError
-
-    fn = load_callable(spec)
+    fn = load_callable(locator)
     args: tuple[Any, ...] = ()
-    if args_spec:
-        make_args = load_callable(args_spec, "make_args function")
+    if args_locator:
+        make_args = load_callable(args_locator, "make_args function")
         try:
             made = make_args()
         except Exception as e:  # the user's code
-            raise RunbookError(f"`{args_spec}` failed: {_one_line(e)}") from e
+            raise RunbookError(f"`{args_locator}` failed: {one_line(e)}") from e
         args = made if isinstance(made, tuple) else (made,)
     try:
-        return diagnose(fn, *args, target=target, name=spec.rpartition(":")[2])
+        return diagnose(fn, *args, target=target, name=locator.rpartition(":")[2])
     except RunbookError as e:
         raise RunbookError(str(e).strip().splitlines()[0]) from e
     except Exception as e:  # a failure inside the user's function while JAX traces it
-        raise RunbookError(f"could not trace `{spec}`: {_one_line(e)}") from e
+        raise RunbookError(f"could not trace `{locator}`: {one_line(e)}") from e

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from . import _spec
+from . import _case_types
 from ._errors import RunbookError, UnknownNameError
 from ._quiet import compiler_chatter, plugin_chatter
 
@@ -390,7 +390,7 @@ def compiling_for(name: str | Target | None) -> Iterator[Target | None]:
     quiet = compiler_chatter() if gpu else contextlib.nullcontext()
     provider = None if target is None else functools.partial(target_devices, target)
     try:
-        with quiet, _spec.devices_from(provider):
+        with quiet, _case_types.devices_from(provider):
             yield target
     finally:
         _ACTIVE.reset(token)

@@ -31,6 +31,7 @@ import jax
 
 from . import _watch_rules
 from ._errors import RunbookError
+from ._locator import one_line
 from ._program import Finding
 from ._render import Table, fmt_bytes
 from ._watch_holders import holder
@@ -205,7 +206,7 @@ class Watch:
         if isinstance(value, _Enough):
             return True
         if value is not None:
-            self.error = _one_line(value)
+            self.error = one_line(value)
             return False
         if len(self.records) <= 1:
             if not self.compiles and not self._arrays_changed():
@@ -634,12 +635,6 @@ def _describe(t: Thresholds) -> str:
         f"{t.rising:.0%} of steps, a function compiled in {t.recompiles} steps; any "
         f"compilation of {t.slow_compile:g} s or {fmt_bytes(t.compile_host)} of host memory"
     )
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
 def _reasons(body: str) -> list[str]:

@@ -10,7 +10,8 @@ from typing import Any
 import jax
 
 from ._errors import RunbookError
-from ._watch import Watch, _Enough, _one_line, watch
+from ._locator import load_callable, one_line
+from ._watch import Watch, _Enough, watch
 
 
 def overhead(steps: int = 40, arrays: int = 200, repeats: int = 3) -> dict[str, float]:
@@ -52,8 +53,8 @@ def overhead(steps: int = 40, arrays: int = 200, repeats: int = 3) -> dict[str, 
     }
 
 
-def run_spec(
-    spec: str, *, steps: int | None = None, step_on: str | None = None, **overrides: Any
+def run_locator(
+    locator: str, *, steps: int | None = None, step_on: str | None = None, **overrides: Any
 ) -> tuple[Watch, str | None]:
     """Run ``path/to/file.py:main`` under a watch, for ``python -m runbook watch``.
 
@@ -66,11 +67,9 @@ def run_spec(
         step was marked), or None. The watch's record is kept either way.
 
     Raises:
-        RunbookError: the spec or `step_on` do not name what they should.
+        RunbookError: the locator or `step_on` do not name what they should.
     """
-    from ._diagnose import load_callable
-
-    main = load_callable(spec)
+    main = load_callable(locator)
     if steps is not None and steps < 1:
         raise RunbookError("--steps: at least 1")
     try:
@@ -85,11 +84,11 @@ def run_spec(
     if step_on is not None:
         if g is None or not callable(g.get(step_on)):
             raise RunbookError(
-                f"--step-on {step_on}: `{spec}`'s module has no function {step_on!r}"
+                f"--step-on {step_on}: `{locator}`'s module has no function {step_on!r}"
             )
     elif not params:
         raise RunbookError(
-            f"`{spec}` takes no parameter to receive mark_step: give it one, or name the "
+            f"`{locator}` takes no parameter to receive mark_step: give it one, or name the "
             "module-level function called once per step with --step-on NAME"
         )
     w = watch(**overrides)
@@ -118,7 +117,7 @@ def run_spec(
     except RunbookError as e:  # no step marked
         error = str(e)
     except Exception as e:  # noqa: BLE001 - the user's code raised: the record is kept and shown
-        error = f"`{spec}` raised {_one_line(e)}"
+        error = f"`{locator}` raised {one_line(e)}"
     finally:
         if g is not None and step_on is not None:
             g[step_on] = original

@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection
 import jax
 import pytest
 
-from runbook._history import recorded_verdicts
+from runbook.site._history import recorded_verdicts
 
 
 @pytest.fixture

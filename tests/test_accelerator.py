@@ -7,7 +7,7 @@ import pytest
 import runbook
 import runbook.site
 from runbook import _accelerator
-from runbook._claims import Claim
+from runbook.site._claims import Claim
 
 GIB = 2**30
 

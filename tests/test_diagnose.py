@@ -20,14 +20,14 @@ from jax import lax
 
 import runbook
 import runbook.site
-from runbook._accelerator import recommended, worst_point
 from runbook._cli import main
-from runbook._diagnose import case_diagnosis_table, diagnose_case
 from runbook._subprocess import child_env
 from runbook._targets import unavailable
 from runbook.cases import attention_scores as attn
 from runbook.detectors import DETECTORS
 from runbook.site import scan_residuals
+from runbook.site._accelerator import recommended, worst_point
+from runbook.site._diagnose_cases import case_diagnosis_table, diagnose_case
 
 S = jax.ShapeDtypeStruct
 f32 = jnp.float32
@@ -639,7 +639,7 @@ def test_cli_text(user_file, capsys):
         ("bad-target", "unknown target 'nope'"),
     ],
 )
-def test_cli_bad_spec_is_one_line_and_exit_2(user_file, which, expected):
+def test_cli_bad_locator_is_one_line_and_exit_2(user_file, which, expected):
     argv = {
         "missing-file": [f"{user_file.parent / 'nope.py'}:step"],
         "missing-function": [f"{user_file}:nope", "--args", f"{user_file}:make_args"],

@@ -14,9 +14,10 @@ import pytest
 from jax import lax
 
 import runbook
-from runbook._diagnose import Diagnosis, diagnose_case
+from runbook._diagnose import Diagnosis
 from runbook._targets import unavailable
 from runbook.detectors import DETECTORS, NEAR_MISSES, scan_residuals
+from runbook.site._diagnose_cases import diagnose_case
 
 S = jax.ShapeDtypeStruct
 f32 = jnp.float32

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from runbook._bench import docs_extension
+from runbook.site.producers.bench import docs_extension
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 runbook_docs = docs_extension()

@@ -23,7 +23,7 @@ CASE_MAY_IMPORT = {
     "runbook._releases",
     "runbook._quiet",
     "runbook._errors",
-    "runbook._spec",
+    "runbook._case_types",
     "runbook.cases",
 }
 
@@ -91,7 +91,7 @@ def test_no_import_cycles_between_runbook_modules():
 
 def test_a_cycle_is_caught():
     graph = import_graph()
-    graph["runbook._spec"] = graph["runbook._spec"] | {"runbook._case"}
+    graph["runbook._case_types"] = graph["runbook._case_types"] | {"runbook._case"}
     with pytest.raises(graphlib.CycleError):
         graphlib.TopologicalSorter(graph).prepare()
 

@@ -14,10 +14,10 @@ import pytest
 import runbook
 import runbook.site
 from runbook import _matrix
+from runbook._case_types import Case, Variant
 from runbook._errors import RunbookError
-from runbook._history import PROBLEM_RATIO, history, load_versions, release_key
 from runbook._releases import RELEASES
-from runbook._spec import Case, Variant
+from runbook.site._history import PROBLEM_RATIO, history, load_versions, release_key
 
 
 def _fake_case(*variants: Variant) -> Case:
@@ -273,7 +273,7 @@ def test_matrix_time_adds_up_what_the_files_recorded():
     "release", [r for r in load_versions() if "claims" in r], ids=lambda r: r["jax"]
 )
 def test_recorded_claims_have_a_verdict_each(release):
-    from runbook._claims import VERDICTS
+    from runbook.site._claims import VERDICTS
 
     claims = release["claims"]
     datetime.date.fromisoformat(claims["generated"])
@@ -295,7 +295,7 @@ def test_claims_by_release_shows_each_release_s_verdicts_and_says_where_none():
             {"key": "k", "claim": "It holds.", "verdict": verdict, "evidence": "e"}]}}}  # fmt: skip
         return {"jax": jax, "claims": claims} if verdict else {"jax": jax}
 
-    from runbook._history import claims_by_release
+    from runbook.site._history import claims_by_release
 
     table = claims_by_release("c", [release("0.4.30", None), release("0.10.2", "confirmed"),
                                     release("0.12.0.1", "refuted")])  # fmt: skip

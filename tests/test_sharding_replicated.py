@@ -215,7 +215,7 @@ def test_the_detector_is_silent_without_a_backward_pass(others):
 
 
 def test_the_detector_names_every_layer_gathered_and_not_the_scanned_fix():
-    from runbook._diagnose import diagnose_case
+    from runbook.site._diagnose_cases import diagnose_case
 
     at = {"layers": 16, "width": 8192, "batch": 256}
     split = diagnose_case("sharding-replicated", "fsdp", scale="issue", at=at)

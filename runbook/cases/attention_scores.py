@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._spec import Case, Params, Variant
+from .._case_types import Case, Params, Variant
 
 BLOCK = 128  # tokens per block of `attention_blockwise` (queries and keys alike)
 CHUNK = 512  # queries per chunk of `attention_chunked`

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._spec import Case, Variant
+from .._case_types import Case, Variant
 
 TERMS = 4  # terms summed per entry of the table
 

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from .._spec import Case, Variant
+from .._case_types import Case, Variant
 
 Params = list[jax.Array]
 

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from .._spec import Case, Variant
+from .._case_types import Case, Variant
 
 Params = dict[str, dict[str, jax.Array]]
 

@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._spec import Case, Variant
+from .._case_types import Case, Variant
 
 
 def loss(x: jax.Array, idx: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._spec import Case, Params, Variant
+from .._case_types import Case, Params, Variant
 
 
 def update_then_read(buf: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:

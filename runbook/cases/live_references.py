@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._spec import Case, Params, Variant
+from .._case_types import Case, Params, Variant
 
 LEARNING_RATE = 0.1
 OnStep = Callable[[], None] | None

@@ -19,8 +19,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _spec
-from .._spec import Case, Variant
+from .. import _case_types
+from .._case_types import Case, Variant
 
 DEVICES = 4
 ITERATIONS = (1, 2, 4, 8, 16, 32)
@@ -123,11 +123,11 @@ def _inputs(scale: Mapping[str, Any], concrete: bool) -> Any:
 
 def _mesh() -> jax.sharding.Mesh:
     """The case's devices in a mesh: this process's, or a target's when compiling for one."""
-    return jax.sharding.Mesh(np.array(_spec.devices(DEVICES)), ("d",))
+    return jax.sharding.Mesh(np.array(_case_types.devices(DEVICES)), ("d",))
 
 
 def _pmapped(body: Callable[..., jax.Array], *, sharded: bool = False) -> Callable[..., Any]:
-    return pmapped(body, _WIDTH, sharded=sharded, devices=_spec.devices(DEVICES))
+    return pmapped(body, _WIDTH, sharded=sharded, devices=_case_types.devices(DEVICES))
 
 
 def replicated_args(

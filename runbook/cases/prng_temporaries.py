@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._spec import Case, Params, Variant
+from .._case_types import Case, Params, Variant
 
 BLOCKS = 64  # row blocks of `normal_blocked`: the temporaries are a few blocks, not the array
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._spec import Case, Variant
+from .._case_types import Case, Variant
 
 # The temperature the compile-time programs and the same-result check use: dividing by
 # one leaves the batch as it is, so every variant computes the same loss.

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._spec import Case, Variant
+from .._case_types import Case, Variant
 
 STEPS = (64, 256, 1024, 4096)  # powers of 4: each has an integer square root
 

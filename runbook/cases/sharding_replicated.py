@@ -24,8 +24,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _spec
-from .._spec import Case, Params, Variant
+from .. import _case_types
+from .._case_types import Case, Params, Variant
 
 DEVICES = 8
 AXIS = "fsdp"  # the mesh's one axis: the batch and (in the fixes) the parameters split on it
@@ -161,7 +161,7 @@ def init(key: jax.Array, layers: int, width: int) -> tuple[list[jax.Array], Any]
 
 def _mesh() -> Mesh:
     """The case's devices: this process's, or a target's when compiling for one."""
-    return Mesh(np.array(_spec.devices(DEVICES)), (AXIS,))
+    return Mesh(np.array(_case_types.devices(DEVICES)), (AXIS,))
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._spec import Case, Variant
+from .._case_types import Case, Variant
 
 BATCH_SIZES = (10, 100, 1000)  # the lax.map(batch_size=k) variants
 RECOMMENDED = "map-100"

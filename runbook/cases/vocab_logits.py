@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-from .._spec import Case, Variant
+from .._case_types import Case, Variant
 
 CHUNKS = 32  # the fixes split the tokens, or the vocabulary, into this many chunks
 

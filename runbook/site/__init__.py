@@ -11,7 +11,8 @@ reader copies); the case never imports it.
 
 from __future__ import annotations
 
-from .._accelerator import (
+from .._runtime import agreement
+from ._accelerator import (
     accelerator_report,
     available_targets,
     buffer_contrast,
@@ -29,9 +30,9 @@ from .._accelerator import (
     target_table,
     worst_point,
 )
-from .._claims import Claim, claims_table, verdict
-from .._diagnose import case_diagnosis_table, detector_table, diagnose_case
-from .._gpu_evidence import (
+from ._claims import Claim, claims_table, verdict
+from ._diagnose_cases import case_diagnosis_table, detector_table, diagnose_case
+from ._gpu_evidence import (
     GpuRecord,
     gpu_evidence,
     gpu_report,
@@ -39,7 +40,7 @@ from .._gpu_evidence import (
     gpu_table,
     per_device_note,
 )
-from .._history import (
+from ._history import (
     History,
     Note,
     ReleaseFigures,
@@ -51,8 +52,7 @@ from .._history import (
     slowest,
     versions_report,
 )
-from .._pages import bench_report, compare_variants, fix_table, verify_table, ynn_accounting
-from .._runtime import agreement
+from ._pages import bench_report, compare_variants, fix_table, verify_table, ynn_accounting
 
 __all__ = [
     "Claim",

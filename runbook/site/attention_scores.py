@@ -14,13 +14,13 @@ import numpy as np
 
 from .. import _cache
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._errors import DoesNotFitError
 from .._measure import MemoryReport, measure
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from ..cases import attention_scores as attn
 from ..cases.attention_scores import CASE
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 # What the reports say, summarised; ours is measured beside it.
 REPORTS = {

@@ -14,15 +14,15 @@ from jax import lax
 
 from .. import _subprocess
 from .._case import CaseResult, measure_case, measured_here
-from .._claims import Claim, verdict
-from .._history import Note
+from .._case_types import Variant
 from .._measure import MemoryReport, measure
-from .._pages import cited_reports_table
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
-from .._spec import Variant
 from ..cases import closure_constant
 from ..cases.closure_constant import _ids, floor_bytes, lookup, make_lookup_captured, sizes, table
+from ._claims import Claim, verdict
+from ._history import Note
+from ._pages import cited_reports_table
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

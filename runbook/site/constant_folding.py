@@ -21,15 +21,15 @@ import jax.numpy as jnp
 
 from .. import _cache, _subprocess
 from .._case import CaseResult
-from .._claims import Claim, verdict
+from .._case_types import Variant
 from .._errors import RunbookError
 from .._measure import MemoryReport, measure
-from .._pages import cited_reports_table
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
-from .._spec import Variant
 from .._subprocess import one_line
 from ..cases.constant_folding import CASE, floor_bytes, table_bytes
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

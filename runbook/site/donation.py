@@ -18,10 +18,8 @@ import numpy as np
 
 from .. import _cache, _subprocess
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._errors import DoesNotFitError, RunbookError
 from .._measure import _lowering, compile_fn
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from .._runtime import RuntimePeak, runtime_peak
 from ..cases import donation
@@ -36,6 +34,8 @@ from ..cases.donation import (
     update_read_once,
     update_read_update,
 )
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 # What the reports say, quoted or summarised; ours is measured beside it.
 REPORTS = {

@@ -18,11 +18,8 @@ from jax import lax
 
 from .._buffers import Buffer
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._errors import DoesNotFitError
-from .._history import Note
 from .._measure import MemoryReport, measure
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from ..cases.frozen_params import (
     CASE,
@@ -40,6 +37,9 @@ from ..cases.frozen_params import (
     step_stop_gradient,
     step_trainable,
 )
+from ._claims import Claim, verdict
+from ._history import Note
+from ._pages import cited_reports_table
 from .scan_residuals import saved_residuals
 
 # What the reports say, quoted; ours is measured beside it.

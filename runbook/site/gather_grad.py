@@ -15,13 +15,13 @@ import jax.numpy as jnp
 
 from .. import _subprocess
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._errors import RunbookError
-from .._history import Note
 from .._measure import MemoryReport, measure
 from .._provenance import Provenance
 from .._render import Table, fmt_bytes
 from ..cases.gather_grad import CASE, _args, loss
+from ._claims import Claim, verdict
+from ._history import Note
 
 # The issue's figures, as reported (XLA's CPU memory-usage report, GiB). Quoted, not ours.
 REPORTED_GIB = {"forward": 129.01, "gradient": 224.01}
@@ -45,7 +45,7 @@ def reported_table(result: CaseResult) -> Table:
 
 def reported_by_release() -> Note:
     """Which committed releases give the issue's figures (from the version matrix)."""
-    from .._history import history
+    from ._history import history
 
     h = history("gather-grad")
     found = []

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 
 from .. import _cache
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
-from .._diagnose import diagnose_case
-from .._history import Note, load_versions
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from ..cases.inplace_copy import CASE
+from ._claims import Claim, verdict
+from ._diagnose_cases import diagnose_case
+from ._history import Note, load_versions
+from ._pages import cited_reports_table
 
 # What the reports say, summarised; ours is measured beside it.
 REPORTS = {

@@ -24,14 +24,14 @@ import numpy as np
 
 from .. import _cache, _subprocess
 from .._case import CaseResult, measured_here
-from .._claims import Claim, verdict
+from .._case_types import Variant
 from .._errors import RunbookError, WontFitError
-from .._pages import cited_reports_table
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
-from .._spec import Variant
 from ..cases import live_references
 from ..cases.live_references import CASE, LOOPS, initial_params, param_bytes
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -15,7 +15,6 @@ import jax
 
 from .. import _subprocess, _targets
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._measure import MemoryReport, compile_fn, measure
 from .._render import fmt_bytes
 from ..cases.pmap_loop import (
@@ -30,6 +29,7 @@ from ..cases.pmap_loop import (
     serial_args,
     sharded_pmap_args,
 )
+from ._claims import Claim, verdict
 
 # How each compiler spells a matrix product in its optimised program: a dot, a YNNPACK
 # kernel on CPU, a cuBLAS call on GPU, a convolution (inside a fusion) on TPU.

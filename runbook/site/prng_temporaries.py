@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import _cache, _spec, _subprocess, _targets
+from .. import _cache, _case_types, _subprocess, _targets
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
-from .._history import Note, load_versions
 from .._measure import MemoryReport, measure
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from ..cases.prng_temporaries import CASE, make_key, normal, normal_sharded
+from ._claims import Claim, verdict
+from ._history import Note, load_versions
+from ._pages import cited_reports_table
 
 # What the reports say, summarised; ours is measured beside it.
 REPORTS = {
@@ -94,7 +94,7 @@ def _sharded_json(scale: str, target: str | None) -> list[dict[str, Any]]:
     shape = (size["rows"], size["cols"])
     found = []
     with _targets.compiling_for(target):
-        mesh = Mesh(np.array(_spec.devices(SHARDS)), ("x",))
+        mesh = Mesh(np.array(_case_types.devices(SHARDS)), ("x",))
         key = jax.eval_shape(lambda: make_key(0, "threefry2x32"))
         key = jax.ShapeDtypeStruct(
             key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec())

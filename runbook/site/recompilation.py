@@ -18,14 +18,14 @@ import jax
 
 from .. import _cache, _subprocess
 from .._case import CaseResult, measured_here
-from .._claims import Claim, verdict
+from .._case_types import Variant
 from .._errors import RunbookError, WontFitError
-from .._pages import cited_reports_table
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
-from .._spec import Variant
 from ..cases import recompilation
 from ..cases.recompilation import CASE, bucket, row_counts
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -485,7 +485,7 @@ def targets_table(results: Mapping[str, CaseResult]) -> Table:
 def versions_statement() -> Any:
     """The version matrix's statement for this case, or a note that no release file has
     recorded it yet (a case added after the last `nox -s versions`)."""
-    from .._history import Note, history
+    from ._history import Note, history
 
     try:
         return history("recompilation").statement()

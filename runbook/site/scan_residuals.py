@@ -24,9 +24,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from .._buffers import _short_path
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._measure import MemoryReport, measure
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from ..cases.scan_residuals import (
     CASE,
@@ -38,6 +36,8 @@ from ..cases.scan_residuals import (
     saved_carries,
     step,
 )
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 UNROLLED_STEPS = (16, 64)  # the unrolled loop's claim: its compile time grows with T
 
@@ -161,7 +161,7 @@ def fix_table(result: CaseResult) -> Table:
 def carries_by_release() -> Table:
     """Carries per step in the gradient's temporaries at the longest scan, per committed
     release (CPU, from the version matrix): how many residuals JAX saves is the release's."""
-    from .._history import load_versions
+    from ._history import load_versions
 
     carry, t = carry_bytes(CASE.scales["seed"]), max(STEPS)
     rows = []

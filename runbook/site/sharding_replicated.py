@@ -15,13 +15,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _cache, _spec, _subprocess, _targets
+from .. import _cache, _case_types, _subprocess, _targets
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._measure import measure
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from ..cases.sharding_replicated import AXIS, CASE, DEVICES, fsdp, init, state_bytes
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 # What the reports say, summarised; ours is measured beside it.
 REPORTS = {
@@ -51,7 +51,7 @@ def _on_mesh(name: str, **kwargs: Any) -> Any:
 
 
 def _mesh() -> Mesh:
-    return Mesh(np.array(_spec.devices(DEVICES)), (AXIS,))
+    return Mesh(np.array(_case_types.devices(DEVICES)), (AXIS,))
 
 
 def _indivisible_json(concrete: bool) -> list[dict[str, Any]]:
@@ -143,7 +143,7 @@ def _init_json(scale: str, target: str | None) -> dict[str, Any]:
     make = functools.partial(init, layers=layers, width=width)
     with _targets.compiling_for(target):
         key = jax.eval_shape(lambda: jax.random.key(0))
-        one = _spec.devices(1)[0]
+        one = _case_types.devices(1)[0]
         placed = jax.ShapeDtypeStruct(
             key.shape, key.dtype, sharding=jax.sharding.SingleDeviceSharding(one)
         )

@@ -16,10 +16,8 @@ import numpy as np
 
 from .. import _cache, _subprocess
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._errors import DoesNotFitError
 from .._measure import MemoryReport, measure
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from .._runtime import runtime_peak
 from ..cases.vmap_materialize import (
@@ -38,6 +36,8 @@ from ..cases.vmap_materialize import (
     python_loop,
     rbf,
 )
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -13,11 +13,11 @@ from typing import Any
 import jax.numpy as jnp
 
 from .._case import CaseResult, measure_case
-from .._claims import Claim, verdict
 from .._measure import MemoryReport, compile_fn, measure
-from .._pages import cited_reports_table
 from .._render import Table, fmt_bytes
 from ..cases.vocab_logits import CASE, _args, _grad, loss_integer, loss_one_hot
+from ._claims import Claim, verdict
+from ._pages import cited_reports_table
 
 # What the reports say, quoted; ours is measured beside it.
 REPORTS = {

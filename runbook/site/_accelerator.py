@@ -10,13 +10,13 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._case import CaseResult, get_case, measure_case, page_module
+from .._case import CaseResult, get_case, measure_case, page_module
+from .._errors import DoesNotFitError, RunbookError
+from .._measure import MemoryReport
+from .._render import Table, fmt_bytes, fmt_figure
+from .._targets import GPU_ALLOCATOR_SOURCE, Target, get_target, unavailable
 from ._claims import Claim
-from ._errors import DoesNotFitError, RunbookError
 from ._history import Note
-from ._measure import MemoryReport
-from ._render import Table, fmt_bytes, fmt_figure
-from ._targets import GPU_ALLOCATOR_SOURCE, Target, get_target, unavailable
 
 CPU = "cpu"
 # Marks for a per-device total against a target's memory.
@@ -216,7 +216,7 @@ def _params(params: Mapping[str, Any]) -> str:
 
 
 def _share() -> str:
-    from ._targets import GPU_ALLOCATOR_FRACTION
+    from .._targets import GPU_ALLOCATOR_FRACTION
 
     return f"{GPU_ALLOCATOR_FRACTION:.0%}"
 
@@ -325,8 +325,8 @@ def buffer_contrast(
 def fusion_table(fn: Any, *args: Any, where: Sequence[str | None] = (None, "h100")) -> Table:
     """The fused kernels of one program per compiler: what each reads and which operations
     it holds, the evidence of where a compiler put an intermediate."""
-    from ._buffers import fusions
-    from ._measure import compile_fn
+    from .._buffers import fusions
+    from .._measure import compile_fn
 
     rows = []
     for w in where:
@@ -365,8 +365,8 @@ def devices_to_fit(
     import numpy as np
     from jax.sharding import Mesh
 
-    from ._measure import measure
-    from ._targets import target_devices
+    from .._measure import measure
+    from .._targets import target_devices
 
     c = get_case(case)
     if c.shard is None:
@@ -519,7 +519,7 @@ def case_table(names: Sequence[str] | None = None, *, compare: Sequence[str] = C
     the reproduction's worst point, on this machine and on each target in `compare`."""
     import html
 
-    from ._case import case_names
+    from .._case import case_names
 
     wheres = [CPU, *(n for n in compare if unavailable(n) is None)]
     head = ["Case", "Symptom", "Cause", "Recommended fix"]

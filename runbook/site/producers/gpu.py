@@ -2,7 +2,7 @@
 
 ``nox -s gpu`` runs, with the Python that has a CUDA build of JAX::
 
-    python -m runbook._gpu --out-dir docs/_data/gpu
+    python -m runbook.site.producers.gpu --out-dir docs/_data/gpu
 
 Per case: the compile-time analysis on the GPU backend at every scale (each program in a
 fresh process), then the largest scale whose every program the prediction says fits,
@@ -22,11 +22,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import __version__, _matrix, _provenance, _subprocess
-from ._case import case_names, get_case, measure_case
-from ._errors import RunbookError, WontFitError
-from ._provenance import Provenance
-from ._runtime import SAFETY, _available_host_bytes, runtime_peak
+from ... import __version__, _provenance, _subprocess
+from ..._case import case_names, get_case, measure_case
+from ..._errors import RunbookError, WontFitError
+from ..._provenance import Provenance
+from ..._runtime import SAFETY, _available_host_bytes, runtime_peak
+from . import matrix as _matrix
 
 # Seconds one program may take to compile, process start included. (Real runs are bounded
 # by runtime_peak's own limit.)
@@ -151,7 +152,7 @@ def add_target_predictions(
 ) -> None:
     """Beside each real peak, what the runbook's deviceless target for this device kind
     predicted for the same program (``target``, ``target_predicted``), where one matches."""
-    from ._targets import matching, unavailable
+    from ..._targets import matching, unavailable
 
     target = matching(device_kind)
     if target is None or unavailable(target) is not None:
@@ -245,7 +246,9 @@ def collect(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runbook._gpu", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m runbook.site.producers.gpu", description=__doc__
+    )
     parser.add_argument("--out-dir", required=True, help="writes <device-kind>.json here")
     parser.add_argument("--case", action="append", help="only this case (repeatable)")
     parser.add_argument("--scale", action="append", help="only this scale (repeatable)")

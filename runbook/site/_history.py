@@ -12,15 +12,15 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from ._case import CaseResult
-from ._errors import RunbookError
-from ._releases import release_key
-from ._render import Table, _unit, fmt_bytes
+from .._case import CaseResult
+from .._errors import RunbookError
+from .._releases import release_key
+from .._render import Table, _unit, fmt_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "docs" / "_data"
+DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "docs" / "_data"
 # The reproduction needing at least this many times the best fix's bytes counts as the
 # problem being present; both cases sit far above it wherever they reproduce.
 PROBLEM_RATIO = 1.25
@@ -479,7 +479,7 @@ def claims_by_release(case: str, releases: Sequence[Mapping[str, Any]] | None = 
 def versions_report(case: str, live: CaseResult | None = None) -> list[Any]:
     """A case across releases, for the versions page: when the problem appears on CPU and
     on each target the files hold, the figures per release, and what failed where."""
-    from ._case import get_case
+    from .._case import get_case
 
     items: list[Any] = [Note(f"### {get_case(case).title}")]
     cpu = history(case)

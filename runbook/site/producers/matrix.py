@@ -2,7 +2,7 @@
 
 ``nox -s versions`` makes an environment per release and runs, inside it::
 
-    python -m runbook._matrix --out docs/_data/versions/0.4.30.json
+    python -m runbook.site.producers.matrix --out docs/_data/versions/0.4.30.json
 
 A program that cannot be measured there is recorded, not raised: ``not applicable`` (this
 JAX lacks an API the variant needs), ``failed`` (tracing or XLA rejected it; the reason is
@@ -25,13 +25,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import __version__, _subprocess
-from ._case import case_names, get_case, page_module
-from ._errors import DoesNotFitError, RunbookError
-from ._measure import measure
-from ._provenance import Provenance, host
-from ._spec import Case, Variant
-from ._subprocess import failure, one_line
+from ... import __version__, _subprocess
+from ..._case import case_names, get_case, page_module
+from ..._case_types import Case, Variant
+from ..._errors import DoesNotFitError, RunbookError
+from ..._measure import measure
+from ..._provenance import Provenance, host
+from ..._subprocess import failure, one_line
 
 STATUSES = ("ok", "not applicable", "does not fit", "failed", "timeout", "not attempted")
 # Seconds one program may take to compile (process start and JAX import included).
@@ -44,7 +44,7 @@ def _measure_point(
     name: str, variant: str, scale: str, params: dict[str, Any], target: str | None = None
 ) -> dict[str, Any]:
     """In the child: compile one program, return its CLI-shaped entry or the failure."""
-    from . import _targets
+    from ... import _targets
 
     case = get_case(name)
     v = case.variant(variant)
@@ -95,7 +95,7 @@ def measure_point(
     start = time.perf_counter()
     try:
         reply = _subprocess.call(
-            "runbook._matrix:_measure_point", devices=1 if target else case.devices,
+            "runbook.site.producers.matrix:_measure_point", devices=1 if target else case.devices,
             timeout=time_limit, name=case.name, variant=variant.name, scale=scale,
             params=params, target=target,
         )  # fmt: skip
@@ -135,7 +135,7 @@ def measure_points(
     start = time.perf_counter()
     try:
         replies = _subprocess.call(
-            "runbook._matrix:_measure_points", devices=1 if target else case.devices,
+            "runbook.site.producers.matrix:_measure_points", devices=1 if target else case.devices,
             timeout=time_limit * len(grid), name=case.name, variant=variant.name, scale=scale,
             grid=grid, target=target,
         )  # fmt: skip
@@ -162,7 +162,7 @@ def _not_applicable(case: Case, variant: Variant, target: str | None) -> str | N
         return f"needs {variant.since}"
     if variant.unavailable is None:
         return None
-    from ._targets import get_target
+    from ..._targets import get_target
 
     return variant.unavailable(get_target(target).platform if target else "cpu")
 
@@ -251,7 +251,7 @@ def run_claims(
         start = time.perf_counter()
         try:
             found = {"status": "ok", "claims": _subprocess.call(
-                "runbook._matrix:_claims", devices=get_case(name).devices, timeout=time_limit,
+                "runbook.site.producers.matrix:_claims", devices=get_case(name).devices, timeout=time_limit,
                 name=name)}  # fmt: skip
         except subprocess.TimeoutExpired:
             found = {"status": "timeout", "reason": f"not decided within {time_limit:g} s"}
@@ -273,7 +273,7 @@ def probe_target(target: str, time_limit: float = TIME_LIMIT) -> dict[str, Any]:
     A small gradient of a gather compiled in a fresh process: the plugin must be installed,
     register, make the topology and return a memory analysis.
     """
-    from ._targets import get_target
+    from ..._targets import get_target
 
     dist = "jax-cuda12-plugin" if get_target(target).platform == "cuda" else "libtpu"
     try:
@@ -282,7 +282,7 @@ def probe_target(target: str, time_limit: float = TIME_LIMIT) -> dict[str, Any]:
         return {"status": "not applicable", "reason": f"{dist} is not installed for this "
                 "release (none published, or it would not install)", "compiler": None}  # fmt: skip
     try:
-        _subprocess.call("runbook._matrix:_probe", timeout=time_limit, target=target)
+        _subprocess.call("runbook.site.producers.matrix:_probe", timeout=time_limit, target=target)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "reason": "the probe did not compile in time",
                 "compiler": compiler}  # fmt: skip
@@ -295,7 +295,7 @@ def _probe(target: str) -> int:
     import jax
     import jax.numpy as jnp
 
-    from .cases.gather_grad import loss
+    from ...cases.gather_grad import loss
 
     args = (jax.ShapeDtypeStruct((8, 8, 8), jnp.float32), jax.ShapeDtypeStruct((64, 3), jnp.int32))
     return measure(jax.grad(loss), *args, target=target).total
@@ -375,7 +375,9 @@ def write_json(data: dict[str, Any], path: str | os.PathLike[str]) -> pathlib.Pa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runbook._matrix", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m runbook.site.producers.matrix", description=__doc__
+    )
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--scale", default="seed")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds per program")

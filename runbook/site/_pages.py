@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _subprocess
-from ._case import CaseResult, get_case, measure_case
-from ._measure import YNN_OPTION
-from ._render import Table, fmt_bytes, provenance_label
-from ._runtime import agreement, runtime_peak
+from .. import _subprocess
+from .._case import CaseResult, get_case, measure_case
+from .._measure import YNN_OPTION
+from .._render import Table, fmt_bytes, provenance_label
+from .._runtime import agreement, runtime_peak
 
 
 def _params(params: Mapping[str, Any]) -> str:

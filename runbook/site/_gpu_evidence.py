@@ -8,9 +8,9 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._case import CaseResult, get_case, measure_case
+from .._case import CaseResult, get_case, measure_case
+from .._render import Table, fmt_bytes
 from ._history import DATA_DIR, Note
-from ._render import Table, fmt_bytes
 
 HOW_TO_RECORD = (
     "To record it, run `nox -s gpu` on a machine whose Python has a CUDA build of JAX "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ._render import Table
+from .._render import Table
 
 VERDICTS = ("confirmed", "refuted", "not reproducible here")
 

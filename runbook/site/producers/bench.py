@@ -1,7 +1,7 @@
 """The benchmark ``nox -s bench`` runs: how long measuring takes, what it adds to a bare
 compile, what each fix costs at run time, and how long the site takes to build.
 
-    python -m runbook._bench --out docs/_data/bench/bench.json [--docs] [--case NAME]
+    python -m runbook.site.producers.bench --out docs/_data/bench/bench.json [--docs] [--case NAME]
 
 Every ratio is measured side by side in the one run: both sides on the same machine, in
 the same minutes. Nothing here is cached: the measurement cache is switched off.
@@ -22,15 +22,16 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import __version__, _matrix, _provenance, _subprocess
-from ._case import case_names, get_case, measure_case
-from ._errors import RunbookError
-from ._measure import compile_fn, measure
-from ._provenance import Provenance
-from ._runtime import runtime_peak
-from ._targets import targets, unavailable
+from ... import __version__, _provenance, _subprocess
+from ..._case import case_names, get_case, measure_case
+from ..._errors import RunbookError
+from ..._measure import compile_fn, measure
+from ..._provenance import Provenance
+from ..._runtime import runtime_peak
+from ..._targets import targets, unavailable
+from . import matrix as _matrix
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _seconds(fn: Callable[[], Any]) -> float:
@@ -196,7 +197,7 @@ def run(
 
 
 def _module_file(name: str) -> str:
-    from ._case import _CASES
+    from ..._case import _CASES
 
     return _CASES[name].rsplit(".", 1)[1] + ".py"
 
@@ -206,7 +207,9 @@ def _stderr(line: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runbook._bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m runbook.site.producers.bench", description=__doc__
+    )
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--case", action="append", help="only this case (repeatable)")
     parser.add_argument("--docs", action="store_true", help="also time cold and warm docs builds")
