@@ -49,9 +49,15 @@ def _hash_files(paths: list[pathlib.Path]) -> str:
 
 
 def _per_case(path: pathlib.Path) -> bool:
-    """A case module, or a case's page module (``runbook/site/<case>.py``)."""
+    """A case module, a page's own module (``runbook/site/<case>.py``, the watch page's) or
+    a corpus program: each is hashed with the entries it measures, not into the core. The
+    site's shared renderers (``runbook/site/_*.py``) and its producers are core."""
     parts = path.relative_to(PACKAGE).parts
-    return parts[0] == "cases" or (parts[0] == "site" and parts[-1] != "__init__.py")
+    if parts[0] == "cases":
+        return True
+    if parts[0] != "site" or len(parts) < 2:
+        return False
+    return parts[1] == "corpus" or (len(parts) == 2 and not parts[1].startswith("_"))
 
 
 @functools.cache

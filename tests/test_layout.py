@@ -1,9 +1,11 @@
-"""The package's layout: no import cycles, and case modules that stand alone."""
+"""The package's layout: no import cycles, the site imported only by the site, case modules
+that stand alone, registries read from the modules, and every page module's protocol."""
 
 from __future__ import annotations
 
 import ast
 import graphlib
+import inspect
 import json
 import subprocess
 import sys
@@ -71,9 +73,27 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
+    """Each module's imports of the package, with the module a case's `Case.figures` names
+    counted as an import of `runbook._case`, which loads it by name to measure the case."""
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {_module_name(p) for p in paths}
-    return {_module_name(p): _imports(p, modules) for p in paths}
+    graph = {_module_name(p): _imports(p, modules) for p in paths}
+    for name in runbook.case_names():
+        figures = runbook.get_case(name).figures
+        if figures is not None:
+            graph["runbook._case"].add(figures.partition(":")[0])
+    return graph
+
+
+def _outside_site(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The imports of `runbook.site` by modules outside it."""
+    inside = ("runbook.site", "runbook.site.")
+    return {
+        m: found
+        for m, imports in graph.items()
+        if not m.startswith(inside)
+        and (found := {i for i in imports if i == "runbook.site" or i.startswith(inside[1])})
+    }
 
 
 def test_the_graph_reader_sees_imports_in_functions_and_skips_type_checking(tmp_path):
@@ -87,6 +107,16 @@ def test_no_import_cycles_between_runbook_modules():
         graphlib.TopologicalSorter(import_graph()).prepare()
     except graphlib.CycleError as e:
         pytest.fail(f"import cycle: {' -> '.join(e.args[1])}")
+
+
+def test_nothing_outside_the_site_imports_it():
+    assert _outside_site(import_graph()) == {}
+
+
+def test_an_import_of_the_site_from_the_library_is_caught():
+    graph = import_graph()
+    graph["runbook._measure"] = graph["runbook._measure"] | {"runbook.site._accelerator"}
+    assert _outside_site(graph) == {"runbook._measure": {"runbook.site._accelerator"}}
 
 
 def test_a_cycle_is_caught():
@@ -107,3 +137,54 @@ def test_a_case_module_imports_alone_and_pulls_in_only_the_case_types(module):
     ).stdout
     pulled = set(json.loads(out.strip().splitlines()[-1])) - {module}
     assert pulled <= CASE_MAY_IMPORT, f"{module} pulled in {sorted(pulled - CASE_MAY_IMPORT)}"
+
+
+def test_every_case_module_is_a_case_named_for_its_file():
+    found = sorted(p.stem for p in (PACKAGE / "cases").glob("*.py") if not p.stem.startswith("_"))
+    assert [n.replace("-", "_") for n in runbook.case_names()] == found
+    for name in runbook.case_names():
+        assert runbook.get_case(name).name == name
+
+
+def test_every_compile_time_case_has_a_detector_named_for_it():
+    from runbook.detectors import MODULES
+
+    compiled = {n for n in runbook.case_names() if not runbook.get_case(n).runtime}
+    assert {m.CASE for m in MODULES} == compiled
+    for module in MODULES:
+        assert module.__name__.rpartition(".")[2] == module.CASE.replace("-", "_")
+        assert callable(module.detect)
+        assert callable(module.rule)
+        assert module.PATTERN
+
+
+@pytest.mark.parametrize("name", runbook.case_names())
+def test_every_page_module_keeps_its_protocol(name):
+    from runbook.site._page import CasePage, page_module, protocols
+
+    module = page_module(name)
+    wanted = protocols(name)
+    assert wanted[0] is CasePage
+    for protocol in wanted:
+        assert isinstance(module, protocol), f"{module.__name__} is not a {protocol.__name__}"
+    params = inspect.signature(module.claims).parameters
+    assert params["target"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["scale"].default == "seed"
+    if hasattr(module, "REPORTS"):
+        assert module.REPORTS
+        assert all(isinstance(k, str) and k and v for k, v in module.REPORTS.items())
+    if runbook.get_case(name).figures is not None:
+        assert module.KEY_FIGURE in module.FIGURES
+        assert module.RECOMMENDED in {v.name for v in runbook.get_case(name).variants}
+
+
+def test_a_page_without_its_claims_breaks_the_protocol():
+    import types
+
+    from runbook.site._page import CasePage, CitedPage
+
+    page = types.ModuleType("runbook.site.nothing")
+    assert not isinstance(page, CasePage)
+    page.claims = lambda *args, target=None, scale="seed": []  # type: ignore[attr-defined]
+    assert isinstance(page, CasePage)
+    assert not isinstance(page, CitedPage)

@@ -1,62 +1,48 @@
-"""Detectors for `runbook.diagnose`: one module per known mechanism.
+"""Detectors for `runbook.diagnose`: one module per case, named as its case is.
 
-Each detector is a function ``detect(program) -> list[Finding]`` that reads a compiled
-`runbook._program.Program` (its buffers, HLO, shardings and aliasing, never the function's
-name or source text) and returns what it recognises. A new case adds its module here and
-its function to `DETECTORS`.
+``runbook/detectors/<case>.py`` reads a compiled `runbook._program.Program` (its buffers,
+HLO, shardings and aliasing, never the function's name or source text) for the mechanism of
+the case ``<case>`` (dashes for underscores) and returns what it recognises, with
+``detect(program) -> list[Finding]``. It also declares ``CASE`` (the case's name), ``PATTERN``
+(what it finds, in a phrase) and ``rule()`` (how it decides, with its thresholds); a case with
+two signs names both in its one module. Every such module is found from the files: a new
+case adds its module here and nothing else.
 
 A detector may also say what it saw and did not name: ``near_miss(program) -> NearMiss |
-None`` in its module, registered in `NEAR_MISSES`. `near_misses` asks each of them, so that
+None`` in its module (collected in `NEAR_MISSES`). `near_misses` asks each of them, so that
 a diagnosis that names nothing can still say which case comes closest, and why not.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Iterable
+from types import ModuleType
 
+from .._errors import RunbookError
 from .._program import Finding, NearMiss, Program
-from . import (
-    attention_scores,
-    closure_constant,
-    donation,
-    frozen_params,
-    gather_index,
-    inplace_copy,
-    prng_bits,
-    replicated_inputs,
-    replicated_state,
-    scan_residuals,
-    unrolled_loop,
-    vmap_batch,
-    vocab_logits,
-)
 
 Detector = Callable[[Program], list[Finding]]
-
-DETECTORS: tuple[Detector, ...] = (
-    gather_index.detect,
-    unrolled_loop.detect,
-    replicated_inputs.detect,
-    scan_residuals.detect,
-    vmap_batch.detect,
-    donation.detect,
-    closure_constant.detect,
-    frozen_params.detect,
-    vocab_logits.detect,
-    prng_bits.detect,
-    inplace_copy.detect,
-    attention_scores.detect,
-    replicated_state.detect,
-)
-
 NearMissFn = Callable[[Program], NearMiss | None]
 
+
+def _modules() -> list[ModuleType]:
+    found = []
+    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if m.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{m.name}")
+        if module.CASE.replace("-", "_") != m.name:
+            raise RunbookError(f"{module.__name__} detects {module.CASE!r}: name it for its case")
+        found.append(module)
+    return found
+
+
+MODULES: tuple[ModuleType, ...] = tuple(_modules())
+DETECTORS: tuple[Detector, ...] = tuple(m.detect for m in MODULES)
 NEAR_MISSES: dict[Detector, NearMissFn] = {
-    scan_residuals.detect: scan_residuals.near_miss,
-    frozen_params.detect: frozen_params.near_miss,
-    vmap_batch.detect: vmap_batch.near_miss,
-    gather_index.detect: gather_index.near_miss,
-    unrolled_loop.detect: unrolled_loop.near_miss,
+    m.detect: m.near_miss for m in MODULES if hasattr(m, "near_miss")
 }
 
 
@@ -77,4 +63,4 @@ def near_misses(
     return sorted(found, key=lambda m: -m.bytes)
 
 
-__all__ = ["DETECTORS", "NEAR_MISSES", "Detector", "NearMissFn", "near_misses"]
+__all__ = ["DETECTORS", "MODULES", "NEAR_MISSES", "Detector", "NearMissFn", "near_misses"]

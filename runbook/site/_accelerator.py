@@ -10,13 +10,14 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._case import CaseResult, get_case, measure_case, page_module
+from .._case import CaseResult, get_case, measure_case
 from .._errors import DoesNotFitError, RunbookError
 from .._measure import MemoryReport
 from .._render import Table, fmt_bytes, fmt_figure
 from .._targets import GPU_ALLOCATOR_SOURCE, Target, get_target, unavailable
 from ._claims import Claim
 from ._history import Note
+from ._page import page_module
 
 CPU = "cpu"
 # Marks for a per-device total against a target's memory.

@@ -8,12 +8,12 @@ start from nothing, as they do in a reader's script.
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
 from .. import _cache, _subprocess
-from .._case import _CASES, get_case
+from .._case import get_case
 from .._render import Table
+from ._page import page_module
 
 # The runtime cases, with the steps each loop is watched for (past the watch's warm-up).
 CASES = {"live-references": 12, "recompilation": 24, "constant-folding": 4}
@@ -23,7 +23,7 @@ def _watch_json(case: str, variant: str, steps: int) -> dict[str, Any]:
     """In the child: `variant`'s loop of `case` under `runbook.watch`; the watch's summary."""
     import runbook
 
-    page = importlib.import_module(f"runbook.site.{_CASES[case].rsplit('.', 1)[1]}")
+    page = page_module(case)
     with runbook.watch() as w:
         page.watched_loop(variant, steps, w.step)
     return {
@@ -38,7 +38,7 @@ def _watch_json(case: str, variant: str, steps: int) -> dict[str, Any]:
 def watched(case: str, variant: str) -> dict[str, Any]:
     """`_watch_json` for one loop, in a fresh process, cached like the pages' measurements."""
     steps = CASES[case]
-    page = f"runbook.site.{_CASES[case].rsplit('.', 1)[1]}"  # the loop's page and case modules
+    page = page_module(case).__name__  # the loop's page and case modules
     request = {"kind": "watched-case", "case": case, "variant": variant, "steps": steps,
                "watcher": _cache.module_hash(__name__)}  # fmt: skip
     got: dict[str, Any] = _cache.cached(

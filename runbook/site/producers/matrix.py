@@ -26,12 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ... import __version__, _subprocess
-from ..._case import case_names, get_case, page_module
+from ..._case import case_names, get_case
 from ..._case_types import Case, Variant
 from ..._errors import DoesNotFitError, RunbookError
 from ..._measure import measure
 from ..._provenance import Provenance, host
 from ..._subprocess import failure, one_line
+from .._page import page_module
 
 STATUSES = ("ok", "not applicable", "does not fit", "failed", "timeout", "not attempted")
 # Seconds one program may take to compile (process start and JAX import included).

@@ -1,6 +1,7 @@
-"""`pmap-loop`: a Python loop unrolled into one set of temporaries per iteration.
+"""`pmap-loop`: a Python loop unrolled into one set of temporaries per iteration, and inputs
+replicated on every device.
 
-A Python ``for`` loop in a traced function is unrolled: the compiled program holds one
+Unrolled loop. A Python ``for`` loop in a traced function is unrolled: the compiled program holds one
 copy of the body per iteration. Where the iterations do not depend on one another, XLA
 may compute them side by side, so the same-shape temporaries of one source line exist
 once per iteration at the same time. A rolled loop (``lax.fori_loop``, ``lax.scan``,
@@ -9,20 +10,32 @@ once per iteration at the same time. A rolled loop (``lax.fori_loop``, ``lax.sca
 Values that each feed outputs of their own (one weight gradient per layer, each updating
 its own layer) are left out: a rolled loop would still return every one of them, so
 rolling it would not free them.
+
+Replicated inputs. ``jax.pmap(..., in_axes=None)``, or a `NamedSharding` with an empty
+`PartitionSpec`, puts the whole array on every device. Often intended (parameters in data
+parallelism); it matters when the copies are large against a device's memory.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import jax
+
 from .._hlo import Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
+from .sharding_replicated import replicated_state
 
 MIN_REPEATS = 4  # independent copies of one line's temporary, live at once
-MIN_SHARE = 0.10  # of the program's total
+MIN_SHARE = 0.10  # of the program's total, for either sign (smaller replicated inputs are
+# not mentioned)
 MAX_EVIDENCE = 8
-PATTERN = "unrolled Python loop"
+LARGE = 0.25  # of the device's usable memory: replicated inputs above it are a finding, not
+# information
+UNROLLED = "unrolled Python loop"
+REPLICATED = "inputs replicated on every device"
+PATTERN = f"{UNROLLED}, or {REPLICATED}"
 CASE = "pmap-loop"
 
 
@@ -32,7 +45,10 @@ def rule() -> str:
         f"same-shape temporaries from one source line, at least {MIN_REPEATS} of them computed "
         f"from none of the others and at least {MIN_REPEATS} live at once, all such lines "
         f"together at least {MIN_SHARE:.0%} of the program's total (values inside loops, and "
-        "values that each feed outputs no other of them feeds, are left out)"
+        "values that each feed outputs no other of them feeds, are left out); or inputs whose "
+        "sharding is the whole array on every device of a multi-device program, together at "
+        f"least {MIN_SHARE:.0%} of its total, informational unless at least {LARGE:.0%} of the "
+        "device's usable memory (a target's, or the device's own limit)"
     )
 
 
@@ -146,7 +162,7 @@ def near_miss(program: Program) -> NearMiss | None:
             )
         miss = NearMiss(
             CASE,
-            PATTERN,
+            UNROLLED,
             nbytes,
             f"{len({v.instruction for v in values})} {shape} temporaries come from {source}, "
             f"but {why}",
@@ -156,7 +172,7 @@ def near_miss(program: Program) -> NearMiss | None:
     return best
 
 
-def detect(program: Program) -> list[Finding]:
+def _unrolled(program: Program) -> list[Finding]:
     found = [g for g in _repeats(program) if len(g[3]) >= MIN_REPEATS and g[4] >= MIN_REPEATS]
     if not found:
         return []
@@ -179,7 +195,7 @@ def detect(program: Program) -> list[Finding]:
     )
     return [
         finding(
-            PATTERN,
+            UNROLLED,
             CASE,
             nbytes,
             evidence,
@@ -189,3 +205,49 @@ def detect(program: Program) -> list[Finding]:
             detail=f"{lines}: {fmt_bytes(nbytes)} at once, one copy per unrolled iteration.",
         )
     ]
+
+
+def device_memory(program: Program) -> int | None:
+    """The bytes a program may use on one device: the target's, or this device's limit."""
+    if program.target is not None:
+        return program.target.usable()
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory statistics
+        return None
+    return stats.get("bytes_limit")
+
+
+def _replicated(program: Program) -> list[Finding]:
+    # A training step's replicated state is `replicated_state`'s finding (sharding-replicated).
+    state = {p.number for p in replicated_state(program)}
+    replicated = [p for p in program.parameters if p.replicated and p.number not in state]
+    nbytes = sum(p.shape.nbytes for p in replicated)
+    if program.devices < 2 or not replicated or nbytes < MIN_SHARE * program.total:
+        return []
+    memory = device_memory(program)
+    large = memory is not None and nbytes >= LARGE * memory
+    against = (
+        f"{nbytes / memory:.1%} of a device's usable {fmt_bytes(memory)}"
+        if memory
+        else "no device memory limit known here (pass target= to compare)"
+    )
+    names = ", ".join(p.path for p in replicated[:4]) + (", ..." if len(replicated) > 4 else "")
+    return [
+        finding(
+            REPLICATED,
+            CASE,
+            nbytes,
+            [program.buffer(p.instruction) for p in replicated],
+            "Split large inputs over the devices (in_axes=0 in pmap, or a NamedSharding that "
+            "divides an axis) so that each device holds its share",
+            copy="runbook.cases.pmap_loop.shard_mapped",
+            detail=f"{len(replicated)} input(s) ({names}) are whole on each of "
+            f"{program.devices} devices: {fmt_bytes(nbytes)} per device, {against}.",
+            informational=not large,
+        )
+    ]
+
+
+def detect(program: Program) -> list[Finding]:
+    return _unrolled(program) + _replicated(program)
