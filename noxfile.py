@@ -1,12 +1,14 @@
 #!/usr/bin/env -S uv run --script
 # /// script
-# dependencies = ["nox>=2025.2.9"]
+# dependencies = ["nox>=2025.10.14"]
 # ///
 """Sessions: tests and lint (default); docs, rtd, browser, versions, bench and gpu (on demand)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import runpy
 import shutil
 import time
@@ -14,8 +16,39 @@ from pathlib import Path
 
 import nox
 
-nox.needs_version = ">=2025.2.9"
+nox.needs_version = ">=2025.10.14"  # the first nox with the download_python option
 nox.options.default_venv_backend = "uv|virtualenv"
+# A session whose Python is not on the machine (docs and tests(newest) run on 3.13) gets one
+# from uv, a python-build-standalone build, where the network allows (virtualenv backend:
+# nox's own download, with its `pbs` extra). `--download-python never` turns that off.
+nox.options.download_python = "auto"
+
+
+class _SayWhatToInstall(logging.Filter):
+    """Where a session's Python is neither on the machine nor downloadable, nox skips it with
+    "Python interpreter 3.13 not found", after a line on what CI would do; say instead, in one
+    line, what to install. (Should nox reword its line, its own comes through unchanged.)"""
+
+    NOT_FOUND = re.compile(r"Python interpreter (\S+) not found")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message == "Missing interpreters will error by default on CI systems.":
+            return False
+        said = self.NOT_FOUND.sub(
+            lambda found: (
+                f"needs Python {found[1]}, which nox neither found nor could download: install it"
+                f" (your distribution's python{found[1]}, python.org, or"
+                f" `uv python install {found[1]}`) and run again"
+            ),
+            message,
+        )
+        if said != message:
+            record.msg, record.args = said, ()
+        return True
+
+
+logging.getLogger("nox").addFilter(_SayWhatToInstall())
 
 ROOT = Path(__file__).parent
 PROJECT = nox.project.load_toml("pyproject.toml")

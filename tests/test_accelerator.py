@@ -6,7 +6,7 @@ import pytest
 
 import runbook
 import runbook.site
-from runbook import _accelerator
+from runbook.site import _accelerator
 from runbook.site._claims import Claim
 
 GIB = 2**30

@@ -79,7 +79,7 @@ def test_table_output_names_provenance(capsys):
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["run", "nope"], "unknown case 'nope'; valid: gather-grad, pmap-loop"),
+        (["run", "nope"], "unknown case 'nope'; valid: attention-scores, closure-constant"),
         (
             ["run", "gather-grad", "--scale", "huge"],
             "unknown scale 'huge' for case 'gather-grad'; valid: seed",

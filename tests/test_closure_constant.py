@@ -16,6 +16,7 @@ from runbook._case import CaseResult
 from runbook._cli import main
 from runbook.cases import closure_constant
 from runbook.cases.closure_constant import CASE
+from runbook.runs import closure_constant as runs
 from runbook.site import closure_constant as page
 
 PEAK = page.KEY_FIGURE
@@ -43,7 +44,7 @@ def test_whole_case_measured_within_a_minute(seed):
     assert len(result.reports) == len(CASE.variants)
     assert seconds < 60
     for r in result.reports:
-        assert set(r.figures) == set(page.FIGURES)
+        assert set(r.figures) == set(runs.FIGURES)
 
 
 def test_memory_analysis_leaves_the_constant_out(seed):
@@ -101,8 +102,8 @@ def test_host_figures_see_a_captured_table_at_a_small_scale():
     small = CASE.scales["small"]
     params = CASE.grid(small)[0]
     table = closure_constant.sizes(small)["table"]
-    captured = page.host_figures(CASE.variant("captured-random"), small, params)
-    passed = page.host_figures(CASE.variant("embed"), small, params)
+    captured = runs.host_figures(CASE.variant("captured-random"), small, params)
+    passed = runs.host_figures(CASE.variant("embed"), small, params)
     assert captured["lowered_text_bytes"] >= 2 * table
     assert captured["rss_cached"] - captured["rss_inputs"] > table
     assert passed["rss_cached"] - passed["rss_inputs"] < table / 2
@@ -164,7 +165,7 @@ def test_cli_json(capsys):
     for v in data["variants"]:
         b = v["bytes"]
         assert b["total"] == b["argument"] + b["output"] + b["temp"] - b["alias"]
-        assert set(v["figures"]) == set(page.FIGURES)
+        assert set(v["figures"]) == set(runs.FIGURES)
 
 
 def test_cli_text_prints_the_figures(capsys):
@@ -177,7 +178,7 @@ def test_cli_text_prints_the_figures(capsys):
 def test_landing_table_shows_the_real_run_here_and_says_what_targets_leave_out(monkeypatch):
     # The ratio of the real run the table made itself: two real runs differ by a little, and
     # a ratio near a rounding edge (3.35 on jax 0.12) would print differently from another.
-    from runbook import _accelerator
+    from runbook.site import _accelerator
 
     seen = []
     measure = _accelerator.on_targets

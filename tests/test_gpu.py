@@ -8,7 +8,7 @@ import pytest
 
 import runbook
 import runbook.site
-from runbook import _gpu
+from runbook.site.producers import gpu as _gpu
 from runbook._errors import RunbookError
 
 GIB = 2**30

@@ -13,7 +13,7 @@ import pytest
 
 import runbook
 import runbook.site
-from runbook import _matrix
+from runbook.site.producers import matrix as _matrix
 from runbook._case_types import Case, Variant
 from runbook._errors import RunbookError
 from runbook._releases import RELEASES
