@@ -65,11 +65,11 @@ def test_zeros_leave_only_through_the_output(costs):
 def test_recommended_fix_saves_and_sits_near_its_floor(seed):
     result = seed[0]
     repro = max(result.select(role="reproduction"), key=lambda r: r.total)
-    fix = result.one(frozen_params.RECOMMENDED, **repro.params)
+    fix = result.one(page.RECOMMENDED, **repro.params)
     assert fix.total == min(r.total for r in result.select(role="fix", **repro.params))
     assert repro.total / fix.total >= 1.5
     assert fix.overhead <= 1.25
-    gradient = result.one(frozen_params.RECOMMENDED, program="gradient")
+    gradient = result.one(page.RECOMMENDED, program="gradient")
     assert gradient.overhead <= 1.25
 
 

@@ -315,5 +315,3 @@ CASE = Case(
     "over the whole tree keeps moments for them",
     recommended="trainable-remat",
 )
-
-RECOMMENDED = "trainable-remat"

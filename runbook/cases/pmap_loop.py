@@ -35,11 +35,6 @@ def expensive(row: jax.Array, width: int) -> jax.Array:
     return jnp.sum(jnp.tanh(a @ a.T))
 
 
-def toy_expensive(row: jax.Array) -> jax.Array:
-    """The write-up's `expensive_func`: it fuses into a single reduction, no intermediate."""
-    return jnp.sum(row**2)
-
-
 def loop_sum(inds: jax.Array, inputs: jax.Array, width: int) -> jax.Array:
     """The reproduction's body: a Python loop, unrolled into one copy per iteration."""
     total = jnp.zeros((), inputs.dtype)

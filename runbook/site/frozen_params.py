@@ -51,6 +51,8 @@ REPORTS = {
     "the backward pass",
 }
 
+RECOMMENDED = CASE.recommended or "trainable-remat"  # the fix the page recommends
+
 
 def grad_adapters_part(
     params: Params, x: jax.Array, y: jax.Array

@@ -1,7 +1,8 @@
 """The `pmap-loop` page's machinery: the write-up's claims, decided per device on 4
 devices (simulated in a child process when this one has fewer).
 
-The programs themselves are in `runbook.cases.pmap_loop`.
+The programs themselves are in `runbook.cases.pmap_loop`; the write-up's own
+`expensive_func` (`toy_expensive`, which cannot show the problem) is here, for the page.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .. import _subprocess, _targets
 from .._case import CaseResult, measure_case
@@ -34,6 +36,11 @@ from ._claims import Claim, verdict
 # How each compiler spells a matrix product in its optimised program: a dot, a YNNPACK
 # kernel on CPU, a cuBLAS call on GPU, a convolution (inside a fusion) on TPU.
 _PRODUCT = re.compile(r" dot\(| convolution\(|__ynn_fusion|custom_call_target=\"__cublas")
+
+
+def toy_expensive(row: jax.Array) -> jax.Array:
+    """The write-up's `expensive_func`: it fuses into a single reduction, no intermediate."""
+    return jnp.sum(row**2)
 
 
 def _count_products(compiled: Any) -> int:
