@@ -476,27 +476,62 @@ def _verify_json(name: str, scale: str) -> list[dict[str, Any]]:
             if v.unavailable is not None and v.unavailable(jax.default_backend()):
                 continue
             got = pick(run_variant(case, v, scale, params))
-            diffs = jax.tree_util.tree_map(
-                lambda a, b: float(np.max(np.abs(a - b) / (np.abs(b) + 1.0))), got, expected
-            )
-            err = max(jax.tree_util.tree_leaves(diffs))
-            checks.append(
-                {
-                    "name": v.name,
-                    "params": dict(params),
+            check: dict[str, Any] = {"name": v.name, "params": dict(params)}
+            if case.significance is None:
+                diffs = jax.tree_util.tree_map(
+                    lambda a, b: float(np.max(np.abs(a - b) / (np.abs(b) + 1.0))), got, expected
+                )
+                err = max(jax.tree_util.tree_leaves(diffs))
+                check |= {
+                    "compared": "values",
                     "max_rel_error": err,
                     "tolerance": case.tolerance,
                     "same": err <= case.tolerance,
                 }
-            )
+            else:
+                # Samples of a distribution (another random stream): a two-sample
+                # Kolmogorov-Smirnov test of the result's numbers (all its leaves, flattened,
+                # one sample); the same unless it rejects at the case's significance. No
+                # elementwise error is measured: `max_rel_error` is None. Past 2**24 numbers
+                # the test reads an even stride of them (a sample of the same draws, as
+                # independent), so that its sorts and CDFs fit in a few GiB at any scale.
+                from scipy import stats  # type: ignore[import-untyped]  # scipy has no types
+
+                def sample(tree: Any, most: int = 1 << 24) -> Any:
+                    flat = [np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(tree)]
+                    stride = -(-sum(x.size for x in flat) // most)
+                    return np.concatenate([x[::stride].astype(np.float64) for x in flat])
+
+                a, b = sample(got), sample(expected)
+                ks = stats.ks_2samp(a, b)
+                p_value = float(ks.pvalue)
+                check |= {
+                    "compared": "distribution",
+                    "test": "two-sample Kolmogorov-Smirnov",
+                    "sizes": [a.size, b.size],
+                    "ks_statistic": float(ks.statistic),
+                    "p_value": p_value,
+                    "max_rel_error": None,
+                    "tolerance": case.significance,
+                    "same": p_value >= case.significance,
+                }
+            checks.append(check)
     return checks
 
 
 def verify(name: str, scale: str | None = None) -> list[dict[str, Any]]:
     """Run each fix and the reproduction on the same real inputs and compare results.
 
-    The error is max |fix - reproduction| / (|reproduction| + 1), elementwise, checked
-    against the case's tolerance. Runs at the case's runnable scale by default.
+    Each check is a dict: ``name`` (the fix), ``params`` (the grid point), ``compared``,
+    ``max_rel_error``, ``tolerance`` and ``same``. Values (``compared == "values"``): the
+    error is max |fix - reproduction| / (|reproduction| + 1), elementwise, and ``same`` when
+    it is at most the case's tolerance. Distributions (``"distribution"``, a case with a
+    `~runbook._case_types.Case.significance`: fixes that draw from another random stream):
+    a two-sample Kolmogorov-Smirnov test of the fix's numbers against the reproduction's
+    (at most 2**24 of each, an even stride of them past that: ``sizes``), with
+    ``ks_statistic`` and ``p_value``; ``tolerance`` is the significance level, ``same``
+    when the test does not reject at it (p-value >= significance), and ``max_rel_error`` is
+    None (no elementwise error is measured). Runs at the case's runnable scale by default.
     """
     case = get_case(name)
     scale = scale or case.runnable_scale

@@ -64,6 +64,16 @@ class Case:
             same-result check compares (default: all of it), for variants whose results
             differ in structure, not in value (e.g. one returns zero gradients for frozen
             weights that another never computes).
+        tolerance: the same-result check's largest elementwise error of a fix against the
+            reproduction, max |fix - reproduction| / (|reproduction| + 1) (see
+            `runbook.verify`); unused when `significance` is set.
+        significance: optional: the results are samples of a distribution, compared as
+            distributions, not value by value (for fixes that draw from another random
+            stream). The same-result check runs a two-sample Kolmogorov-Smirnov test of a
+            fix's numbers (every leaf of its compared result, flattened into one sample)
+            against the reproduction's: the same unless the test rejects at this
+            significance level (p-value below it; see `runbook.verify`). A test, not a
+            tolerance, so that a small sample is not taken for a different distribution.
         figures: optional ``"module:function"`` naming ``function(variant, scale, params)``:
             figures the compiler's analysis cannot give (e.g. a real run's host resident
             set), by name: bytes, seconds (names ending ``_seconds``) or counts (names
@@ -97,6 +107,7 @@ class Case:
     figures: str | None = None
     key_figure: str | None = None
     runtime: bool = False
+    significance: float | None = None
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:

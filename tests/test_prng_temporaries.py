@@ -3,6 +3,7 @@ the detector on programs written differently."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -14,6 +15,7 @@ from runbook import _targets
 from runbook.cases import prng_temporaries as pt
 from runbook.cases.prng_temporaries import CASE
 from runbook.site import prng_temporaries as page
+from runbook.site import verify_table
 
 TARGETS = [None, "h100", "v5e"]  # the ones the page shows
 
@@ -50,17 +52,59 @@ def test_on_cpu_the_reproduction_needs_several_arrays_and_the_fix_far_less():
     assert repro.total >= 1.5 * fix.total
 
 
-def test_the_distribution_check_passes_for_the_fixes_and_can_fail():
-    checks = runbook.verify("prng-temporaries")
+@pytest.mark.parametrize("scale", ["tiny", CASE.runnable_scale])
+def test_the_distribution_check_finds_the_fixes_the_same(scale):
+    checks = runbook.verify("prng-temporaries", scale)
     assert {c["name"] for c in checks} == {"rbg", "blocked"}
+    assert all(c["compared"] == "distribution" for c in checks), checks
+    assert all(c["tolerance"] == CASE.significance for c in checks), checks
+    assert all(c["p_value"] >= CASE.significance for c in checks), checks
     assert all(c["same"] for c in checks), checks
-    # A draw from another distribution (a normal of spread 1.05) is told apart.
-    key = pt.make_key(0, "threefry2x32")
-    size = CASE.scales[CASE.runnable_scale]
-    shape = (size["rows"], size["cols"])
-    x = pt._distribution(pt.normal(key, shape))
-    y = pt._distribution(1.05 * pt.normal(pt.make_key(1, "threefry2x32"), shape))
-    assert max(abs(x - y) / (abs(y) + 1)) > CASE.tolerance
+
+
+# Draws of another distribution, through `runbook.verify`'s own path: a uniform of the same
+# mean and spread (mean and standard deviation alone would not tell it apart) and a normal
+# of spread 1.25. At tiny (4096 numbers) a spread of 1.05 is too close to be told apart.
+WRONG = {
+    "uniform": lambda k, shape: jax.random.uniform(k, shape, jnp.float32, -(3**0.5), 3**0.5),
+    "wide": lambda k, shape: 1.25 * pt.normal(k, shape),
+}
+
+
+def test_the_distribution_check_tells_another_distribution_apart(monkeypatch):
+    monkeypatch.delenv("RUNBOOK_CACHE_DIR", raising=False)  # the patched case is not in a key
+    wrong = [
+        dataclasses.replace(
+            CASE.variant("threefry"), name=name, role="fix", program=pt._program(fn)
+        )
+        for name, fn in WRONG.items()
+    ]
+    monkeypatch.setattr(pt, "CASE", dataclasses.replace(CASE, variants=(*CASE.variants, *wrong)))
+    checks = {c["name"]: c for c in runbook.verify("prng-temporaries", "tiny")}
+    assert {name: c["same"] for name, c in checks.items()} == {
+        "rbg": True,
+        "blocked": True,
+        "uniform": False,
+        "wide": False,
+    }, checks
+    assert all(checks[name]["p_value"] < CASE.significance for name in WRONG), checks
+
+
+def test_the_verify_table_shows_the_test():
+    checks = runbook.verify("prng-temporaries", "tiny")
+    table = verify_table(checks, "prng-temporaries", "tiny")
+    assert table.columns == [
+        "fix",
+        "params",
+        "numbers tested",
+        "KS statistic",
+        "p-value",
+        "significance",
+        "same distribution?",
+    ]
+    assert [row[2] for row in table.rows] == ["4096", "4096"]  # 64 x 64, every number
+    assert [row[-1] for row in table.rows] == ["yes", "yes"]
+    assert "Kolmogorov-Smirnov" in table.caption
 
 
 def test_blocked_rejects_rows_that_do_not_divide():

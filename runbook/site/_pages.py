@@ -70,9 +70,32 @@ def compare_variants(result: CaseResult, names: Sequence[str], x: str) -> Table:
 
 
 def verify_table(checks: Sequence[Mapping[str, Any]], case: str, scale: str | None = None) -> Table:
-    """The same-result checks `runbook.verify` made, one row per fix and grid point."""
+    """The same-result checks `runbook.verify` made, one row per fix and grid point.
+
+    Checks of values show each fix's largest elementwise error against the tolerance;
+    checks of distributions (a case with a significance) the two-sample Kolmogorov-Smirnov
+    test's statistic and p-value against the significance level.
+    """
     c = get_case(case)
     scale = scale or c.runnable_scale
+    where = f"Real arrays at scale {scale!r} ({_params(c.scale(scale))})"
+    if any(ch.get("compared") == "distribution" for ch in checks):
+        rows = [
+            [ch["name"], _params(ch["params"]), " vs ".join(map(str, dict.fromkeys(ch["sizes"]))),
+             f"{ch['ks_statistic']:.2e}", f"{ch['p_value']:.3g}", f"{ch['tolerance']:g}",
+             "yes" if ch["same"] else "NO"]
+            for ch in checks
+        ]  # fmt: skip
+        columns = ["numbers tested", "KS statistic", "p-value", "significance"]
+        return Table(
+            ["fix", "params", *columns, "same distribution?"],
+            rows,
+            f"{where}; each fix's numbers and the reproduction's are compared as samples of a "
+            "distribution by a two-sample Kolmogorov-Smirnov test (statistic: the largest gap "
+            "between the two empirical CDFs; at most 2**24 numbers each, an even stride of them "
+            "past that): the same unless the test rejects at the significance level (a p-value "
+            "below it).",
+        )
     rows = [
         [ch["name"], _params(ch["params"]), f"{ch['max_rel_error']:.1e}", f"{ch['tolerance']:.0e}",
          "yes" if ch["same"] else "NO"]
@@ -81,8 +104,7 @@ def verify_table(checks: Sequence[Mapping[str, Any]], case: str, scale: str | No
     return Table(
         ["fix", "params", "max relative error", "tolerance", "same result?"],
         rows,
-        f"Real arrays at scale {scale!r} ({_params(c.scale(scale))}); error = max |fix - "
-        "reproduction| / (|reproduction| + 1), elementwise.",
+        f"{where}; error = max |fix - reproduction| / (|reproduction| + 1), elementwise.",
     )
 
 
