@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import pkgutil
 from collections.abc import Callable, Mapping, Sequence
-from types import ModuleType
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _cache, _subprocess, _targets
+from . import _cache, _subprocess, _targets, cases
 from ._buffers import Buffer
 from ._case_types import Case, Params, Variant
 from ._errors import DoesNotFitError, RunbookError, UnknownNameError
@@ -20,34 +20,19 @@ from ._measure import MemoryReport, compile_fn, measure
 from ._provenance import Provenance
 from ._quiet import start_backend
 
+# Every module of `runbook.cases` is a case: ``runbook/cases/<name>.py`` holds the case
+# ``<name>`` with dashes for underscores (checked when it loads). Found from the files, so a new
+# case is only its own files; listing them imports none (`import runbook` stays light).
 _CASES = {
-    "gather-grad": "runbook.cases.gather_grad",
-    "pmap-loop": "runbook.cases.pmap_loop",
-    "scan-residuals": "runbook.cases.scan_residuals",
-    "frozen-params": "runbook.cases.frozen_params",
-    "vocab-logits": "runbook.cases.vocab_logits",
-    "vmap-materialize": "runbook.cases.vmap_materialize",
-    "closure-constant": "runbook.cases.closure_constant",
-    "donation": "runbook.cases.donation",
-    "prng-temporaries": "runbook.cases.prng_temporaries",
-    "inplace-copy": "runbook.cases.inplace_copy",
-    "attention-scores": "runbook.cases.attention_scores",
-    "sharding-replicated": "runbook.cases.sharding_replicated",
-    "live-references": "runbook.cases.live_references",
-    "recompilation": "runbook.cases.recompilation",
-    "constant-folding": "runbook.cases.constant_folding",
+    m.name.replace("_", "-"): f"runbook.cases.{m.name}"
+    for m in sorted(pkgutil.iter_modules(cases.__path__), key=lambda m: m.name)
+    if not m.name.startswith("_")
 }
 
 
 def case_names() -> list[str]:
-    """Names of every case, in the order the site presents them."""
+    """Names of every case, in alphabetical order (the order the site presents them)."""
     return list(_CASES)
-
-
-def page_module(name: str) -> ModuleType:
-    """Case `name`'s page module, ``runbook.site.<case>``: its claims and its page's experiments."""
-    get_case(name)  # an unknown name gets the one clear error
-    return importlib.import_module(_CASES[name].replace(".cases.", ".site.", 1))
 
 
 def get_case(name: str) -> Case:
@@ -55,6 +40,9 @@ def get_case(name: str) -> Case:
     if name not in _CASES:
         raise UnknownNameError(f"unknown case {name!r}; valid: {', '.join(_CASES)}")
     case: Case = importlib.import_module(_CASES[name]).CASE
+    if case.name != name:
+        raise RunbookError(f"{_CASES[name]} holds the case {case.name!r}: its file must be named "
+                           f"{case.name.replace('-', '_')}.py")  # fmt: skip
     return case
 
 
