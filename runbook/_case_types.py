@@ -77,8 +77,9 @@ class Case:
         figures: optional ``"module:function"`` naming ``function(variant, scale, params)``:
             figures the compiler's analysis cannot give (e.g. a real run's host resident
             set), by name: bytes, seconds (names ending ``_seconds``) or counts (names
-            ending ``_count``). A name, not the function: measuring a real run is the site's
-            machinery (``runbook.site.<case>``), which a case module does not import.
+            ending ``_count``). A name, not the function: a real run is measured by the
+            library's runs package (``runbook.runs.<case>``), which a case module does not
+            import.
             Called for this process's backend only (never for a target), stored in each
             report's ``figures``.
         key_figure: the name, in ``figures``, of the figure that shows the problem where

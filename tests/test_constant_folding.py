@@ -15,6 +15,7 @@ import runbook
 from runbook._cli import main
 from runbook.cases import constant_folding
 from runbook.cases.constant_folding import CASE
+from runbook.runs import constant_folding as runs
 from runbook.site import constant_folding as page
 
 KEY = page.KEY_FIGURE
@@ -49,7 +50,7 @@ def test_whole_case_measured_within_a_minute(seed):
     assert len(result.reports) == len(CASE.variants)
     assert seconds < 60
     for r in result.reports:
-        assert set(page.FIGURES) | {"unfinished_count"} == set(r.figures)
+        assert set(runs.FIGURES) | {"unfinished_count"} == set(r.figures)
         assert r.figures["unfinished_count"] == 0
 
 
@@ -100,8 +101,8 @@ def test_warning_is_counted_from_stderr():
         "slow_operation_alarm.cc:141] The operation took 5.0s\nConstant folding an "
         "instruction is taking > 1s:\n"
     )
-    assert page.warnings_in(text) == 1
-    assert page.warnings_in("nothing here\n") == 0
+    assert runs.warnings_in(text) == 1
+    assert runs.warnings_in("nothing here\n") == 0
 
 
 def test_warning_seen_exactly_when_a_fold_took_over_a_second(seed):
@@ -168,9 +169,9 @@ def test_iota_expression_is_not_folded():
 
 
 def test_stopped_compile_is_reported_as_a_lower_bound(monkeypatch):
-    monkeypatch.setattr(page, "COMPILE_LIMIT_SECONDS", 0.5)
+    monkeypatch.setattr(runs, "COMPILE_LIMIT_SECONDS", 0.5)
     small = CASE.scales["small"]
-    got = page.run_figures(CASE.variant(page.REPRO), small, CASE.grid(small)[0])
+    got = runs.run_figures(CASE.variant(page.REPRO), small, CASE.grid(small)[0])
     assert got["unfinished_count"] == 1
     assert got[KEY] >= 0.5
     assert "rss_compile_peak" not in got

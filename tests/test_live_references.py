@@ -16,6 +16,7 @@ import runbook.site
 from runbook._cli import main
 from runbook.cases import live_references
 from runbook.cases.live_references import CASE, LOOPS, param_bytes
+from runbook.runs import live_references as runs
 from runbook.site import live_references as page
 
 KEY = page.KEY_FIGURE
@@ -50,7 +51,7 @@ def test_whole_case_measured_within_a_minute(seed):
     assert len(result.reports) == len(CASE.variants)
     assert seconds < 60
     for r in result.reports:
-        assert set(r.figures) == set(page.FIGURES)
+        assert set(r.figures) == set(runs.FIGURES)
 
 
 def test_reproductions_grow_by_a_parameter_copy_per_step(figures):
@@ -111,14 +112,14 @@ def test_same_result_check_catches_a_wrong_loop(monkeypatch):
         return p * 1.01, log
 
     monkeypatch.setitem(LOOPS, "keep-floats", wrong)
-    got = page._runs_json(256, 4, False)  # in this process: it sees the patched loop
+    got = runs._runs_json(256, 4, False)  # in this process: it sees the patched loop
     rows = {r["name"]: r["same"] for r in page.checks(got["errors"], 4)}
     assert rows == {"keep-floats": False, "cycle-broken": True}
 
 
 def test_a_scale_that_would_not_fit_is_refused():
     with pytest.raises(runbook.WontFitError):
-        page._check_fits({"size": 2**30, "steps": 10**4})
+        runs.check_fits({"size": 2**30, "steps": 10**4})
 
 
 def test_watched_loop_marks_every_step_and_reuses_the_case_loops(monkeypatch):

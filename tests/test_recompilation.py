@@ -15,7 +15,9 @@ import runbook
 from runbook._case import CaseResult
 from runbook._cli import main
 from runbook.cases import recompilation
-from runbook.cases.recompilation import CASE, bucket, row_counts
+from runbook.cases.recompilation import CASE, bucket
+from runbook.runs import recompilation as runs
+from runbook.runs.recompilation import row_counts
 from runbook.site import recompilation as page
 
 KEY = page.KEY_FIGURE
@@ -62,7 +64,7 @@ def test_whole_case_measured_within_a_minute(seed):
     result, seconds, cpu = seed
     assert len(result.reports) == len(CASE.variants)
     for r in result.reports:
-        assert set(r.figures) == set(page.FIGURES)
+        assert set(r.figures) == set(runs.FIGURES)
     # Four fresh processes each compile a loop's executables. The machine running this suite
     # is shared, so wall time says more about the neighbours than about the case: the bar
     # is checked on the processor time this process and its children used.
@@ -117,9 +119,9 @@ def test_floor_holds_on_the_targets(target):
 
 def test_loops_give_the_same_losses():
     tiny = CASE.scales["tiny"]
-    shapes = {v: page.run_loop(v, tiny, 6) for v in ("each-shape", "bucketed")}
+    shapes = {v: runs.run_loop(v, tiny, 6) for v in ("each-shape", "bucketed")}
     np.testing.assert_allclose(shapes["bucketed"], shapes["each-shape"], rtol=1e-5)
-    statics = {v: page.run_loop(v, tiny, 4) for v in ("each-static", "traced-static")}
+    statics = {v: runs.run_loop(v, tiny, 4) for v in ("each-static", "traced-static")}
     np.testing.assert_allclose(statics["traced-static"], statics["each-static"], rtol=1e-5)
     assert len(set(statics["each-static"])) == 4  # the temperature changes the loss
 
@@ -153,28 +155,28 @@ def test_buckets_and_padding():
     assert padded[5:].sum() == 0
     assert padded[:5].sum() == 15
     assert sorted(row_counts(7)) == list(range(1, 8))
-    needed = page.rows_needed("bucketed", CALLS, CALLS)
+    needed = runs.rows_needed("bucketed", CALLS, CALLS)
     assert needed == CALLS * (CALLS + 1) // 2
-    assert page.rows_computed("bucketed", CALLS, CALLS) > needed
-    assert page.rows_computed("each-shape", CALLS, CALLS) == needed
+    assert runs.rows_computed("bucketed", CALLS, CALLS) > needed
+    assert runs.rows_computed("each-shape", CALLS, CALLS) == needed
 
 
 def test_watched_loop_marks_each_step_and_compiles_per_new_shape():
-    page._count_compiles()
+    runs.count_compiles()
     for variant, expected in (("each-shape", 4), ("traced-static", 0)):
         marks = []
-        before = page.compiles()
-        page.watched_loop(variant, 5, lambda marks=marks: marks.append(page.compiles()))
+        before = runs.compiles()
+        page.watched_loop(variant, 5, lambda marks=marks: marks.append(runs.compiles()))
         assert len(marks) == 5
         assert marks[0] > before  # the first step compiled (putting the weights may, too)
         assert marks[-1] - marks[0] == expected, variant  # each later step: a new shape
 
 
 def test_a_scale_past_the_memory_is_refused(monkeypatch):
-    monkeypatch.setattr(page, "_available", lambda: 2 * page.EXECUTABLE_BOUND)
+    monkeypatch.setattr(runs, "_available", lambda: 2 * runs.EXECUTABLE_BOUND)
     with pytest.raises(runbook.WontFitError, match="smaller scale"):
-        page._guard(SEED)
-    page._guard({"calls": 1})
+        runs._guard(SEED)
+    runs._guard({"calls": 1})
 
 
 def test_static_objects_hashed_by_identity_compile_each_time():
@@ -247,7 +249,7 @@ def test_cli_json_prints_the_figures(seed, capsys):
     got = {v["name"]: v["figures"] for v in data["variants"]}
     assert set(got) == {v.name for v in CASE.variants}
     for f in got.values():
-        assert set(f) == set(page.FIGURES)
+        assert set(f) == set(runs.FIGURES)
         assert isinstance(f["compile_count"], int)
         assert isinstance(f["loop_seconds"], float)
     assert got["each-shape"][KEY] / got[page.RECOMMENDED][KEY] >= 1.5

@@ -6,8 +6,8 @@ compiles it into the executable. The process then holds the array once for the u
 again in the program text, the compiler's module and the cached executable; none of it
 is in `memory_analysis()`. Reports: jax-ml/jax#282, #11448, #12719, #16278, #23457,
 #10596, #19429. The functions below are the reproduction and its fix; copy the one you
-need. What the page measures of them (a real run's host memory) is in
-`runbook.site.closure_constant`.
+need. Their real runs (a session's host memory) are in `runbook.runs.closure_constant`; the
+page's measurements in `runbook.site.closure_constant`.
 """
 
 from __future__ import annotations
@@ -164,6 +164,6 @@ CASE = Case(
     cause="a captured array is compiled into the program as a constant: the process holds "
     "copies of it that memory_analysis does not count",
     recommended="embed",
-    figures="runbook.site.closure_constant:host_figures",
+    figures="runbook.runs.closure_constant:host_figures",
     key_figure="rss_peak",
 )

@@ -8,8 +8,8 @@ result into the executable as a constant. Compiling takes seconds to minutes, th
 the intermediate arrays meanwhile, and XLA may log "Constant folding an instruction is
 taking > 1s". `memory_analysis()` counts none of it. Reports: jax-ml/jax#14655, #12789,
 #21300, #18475, #19653, #677. The functions below are the reproduction and its fixes; copy
-the one you need. What the page measures of them (a real compile and run, in a fresh
-process) is in `runbook.site.constant_folding`.
+the one you need. Their real runs (a compile and run in a fresh process) are in
+`runbook.runs.constant_folding`; the page's measurements in `runbook.site.constant_folding`.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ CASE = Case(
     cause="a table whose values depend on no argument is a constant computation: XLA "
     "evaluates it on the host while compiling and compiles the result in as a constant",
     recommended="table-from-argument",
-    figures="runbook.site.constant_folding:run_figures",
+    figures="runbook.runs.constant_folding:run_figures",
     key_figure="compile_seconds",
     runtime=True,
 )

@@ -6,8 +6,9 @@ cycle) keeps every one of those arrays on the device: JAX frees an array's buffe
 the last Python reference to it goes, not before. No compiled program shows it: the step
 is the same program in the reproduction and in the fix. Reports: jax-ml/jax#1222,
 #10007, #14934, #725, #12575 (with google/flax#2493), #11448. The functions below are the
-loops, the reproductions and their fixes; copy the one you need. What the page measures
-of them (a real run's live device bytes, step by step) is in `runbook.site.live_references`.
+loops, the reproductions and their fixes; copy the one you need. Their real runs (live
+device bytes, step by step) are in `runbook.runs.live_references`; the page's measurements
+in `runbook.site.live_references`.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def train_keep_last(
     return state.params, log
 
 
-# Each variant's loop, by name: what the page runs and what `runbook.watch` names.
+# Each variant's loop, by name: what the real runs and the page run, what `runbook.watch` names.
 LOOPS: dict[str, Callable[..., tuple[jax.Array, list[Any]]]] = {
     "keep-arrays": train_keep_arrays,
     "cache-arrays": train_cache_arrays,
@@ -241,7 +242,7 @@ CASE = Case(
     cause="the loop keeps Python references to each step's device arrays (or leaves them "
     "in cycles): their buffers live as long as the references",
     recommended="keep-floats",
-    figures="runbook.site.live_references:live_figures",
+    figures="runbook.runs.live_references:live_figures",
     key_figure="live_growth",
     runtime=True,
 )

@@ -9,14 +9,14 @@ of them: host memory grows with the number of distinct keys (and device memory o
 where an executable holds some), although no array grows. One compiled program never shows
 it: each executable's `memory_analysis()` is the same. Reports: jax-ml/jax#2072, #7930,
 #10828, #16778, #19429, #5531. The functions below are the reproductions and their fixes;
-copy the ones you need. What the page measures of them (real runs' resident sets and compile
-counts) is in `runbook.site.recompilation`.
+copy the ones you need. Their real runs (resident sets, compile counts, seconds) are in
+`runbook.runs.recompilation`; the page's measurements in `runbook.site.recompilation`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -138,19 +138,6 @@ def run_traced_static(
     return losses
 
 
-def make_step(variant: str) -> Callable[..., Any]:
-    """The jitted function each variant's loop calls (a new one, with an empty cache)."""
-    if variant == "each-shape":
-        return jax.jit(loss)
-    if variant == "bucketed":
-        return jax.jit(masked_loss)
-    if variant == "each-static":
-        return jax.jit(scaled_loss, static_argnames="temperature")
-    if variant == "traced-static":
-        return jax.jit(scaled_loss)
-    raise ValueError(f"no loop for variant {variant!r}")
-
-
 def init_params(scale: Mapping[str, Any], seed: int = 0) -> dict[str, jax.Array]:
     """The network's weights, drawn on the host and put on the device (no compilation)."""
     rng = np.random.default_rng(seed)
@@ -160,35 +147,12 @@ def init_params(scale: Mapping[str, Any], seed: int = 0) -> dict[str, jax.Array]
     return {"w1": jnp.asarray(w1), "w2": jnp.asarray(w2)}
 
 
-def row_counts(calls: int, seed: int = 0) -> list[int]:
-    """`calls` distinct row counts, 1 to `calls`, in a shuffled order."""
-    return [int(r) + 1 for r in np.random.default_rng(seed).permutation(calls)]
-
-
-def batches(scale: Mapping[str, Any], rows: Sequence[int], seed: int = 1) -> list[np.ndarray]:
-    """One host batch of `features` columns per row count in `rows`."""
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((r, scale["features"]), dtype=np.float32) for r in rows]
-
-
-def temperatures(calls: int) -> list[float]:
-    """A schedule of `calls` distinct temperatures, annealed from 2 towards 1."""
-    return [1.0 + 1.0 / (1 + i) for i in range(calls)]
-
-
-LOOPS: dict[str, Callable[..., list[float]]] = {
-    "each-shape": run_each_shape,
-    "bucketed": run_bucketed,
-    "each-static": run_each_static,
-    "traced-static": run_traced_static,
-}
-
-
 # The compile-time programs: one step at the grid point (the largest batch), as compiled.
 def _batch(scale: Mapping[str, Any], rows: int, concrete: bool) -> Any:
     if not concrete:
         return jax.ShapeDtypeStruct((rows, scale["features"]), jnp.float32)
-    return jnp.asarray(batches(scale, [rows], seed=2)[0])
+    rng = np.random.default_rng(2)
+    return jnp.asarray(rng.standard_normal((rows, scale["features"]), dtype=np.float32))
 
 
 def _weights(scale: Mapping[str, Any], concrete: bool) -> Any:
@@ -227,10 +191,6 @@ def floor_bytes(scale: Mapping[str, Any], rows: int) -> int:
     """What one step must hold at the least: the weights, a batch of `rows` rows, the loss."""
     f, h, o = int(scale["features"]), int(scale["hidden"]), int(scale["outputs"])
     return 4 * (f * h + h * o + rows * f + 1)
-
-
-def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:
-    return floor_bytes(scale, params["rows"])
 
 
 CASE = Case(
@@ -276,12 +236,12 @@ CASE = Case(
     ),
     args=_args,
     grid=lambda s: [{"rows": s["calls"]}],
-    floor=_floor,
+    floor=lambda variant, scale, params: floor_bytes(scale, params["rows"]),
     runnable_scale="seed",
     cause="jax.jit compiles once per distinct argument shape or static value and keeps "
     "every executable: one compiled program never shows it",
     recommended="bucketed",
-    figures="runbook.site.recompilation:run_figures",
+    figures="runbook.runs.recompilation:run_figures",
     key_figure="rss_growth",
     runtime=True,
 )

@@ -1,6 +1,7 @@
-"""The `closure-constant` page's measurements: a real run's host memory, the claims, the
-tables and the chart. The case itself (the reproduction, the fix, their inputs) is
-`runbook.cases.closure_constant`, which this module measures.
+"""The `closure-constant` page's measurements: a real run's host memory (measured by
+`runbook.runs.closure_constant`), the claims, the tables and the chart. The case itself (the
+reproduction, the fix, their inputs) is `runbook.cases.closure_constant`, which this module
+measures.
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _subprocess
 from .._case import CaseResult, measure_case, measured_here
-from .._case_types import Variant
 from .._measure import MemoryReport, measure
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
 from ..cases import closure_constant
 from ..cases.closure_constant import _ids, floor_bytes, lookup, make_lookup_captured, sizes, table
+from ..runs import closure_constant as runs
 from ._claims import Claim, verdict
 from ._history import Note
 from ._pages import cited_reports_table
@@ -41,73 +41,11 @@ REPORTS = {
 # jax-ml/jax#23457's resident sets, as reported (not measured here).
 REPORTED_GB = {"zeros": 3.8, "random": 39.0}
 
-# The figures a real run measures (`host_figures`), host resident set in bytes above the
-# process before the inputs were made (so the table the user holds counts once).
-FIGURES = {
-    "lowered_text_bytes": "the lowered program's StableHLO text",
-    "rss_inputs": "resident: the inputs (and the captured table) made",
-    "rss_peak": "resident peak: compile and first run",
-    "rss_cached": "resident after the run, the jitted function alive (its executable cached)",
-    "rss_cleared": "resident after jax.clear_caches(), the jitted function still alive",
-    "rss_deleted": "resident after calling it again (compiled again) and deleting it, "
-    "without clear_caches()",
-}
+# The figures a real run measures (`Case.figures`): `runbook.runs.closure_constant`'s.
+FIGURES = runs.FIGURES
 
 RECOMMENDED = "embed"
 KEY_FIGURE = closure_constant.CASE.key_figure or "rss_peak"
-
-
-def _settle() -> int:
-    from .._runtime import _settle
-
-    return _settle()
-
-
-def _hwm() -> int:
-    from .._runtime import _status
-
-    return _status("VmHWM")
-
-
-def _host_figures_json(
-    variant: str, scale: dict[str, Any], params: dict[str, Any]
-) -> dict[str, int]:
-    """In a fresh process: what a user's session holds around one variant (`FIGURES`)."""
-    start_backend()
-    v = closure_constant.CASE.variant(variant)
-    jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))  # start the runtime's pools
-    base = _settle()
-    fn = v.program(params)  # a captured table is made here, as a user makes it
-    args = jax.block_until_ready(closure_constant.CASE.inputs(v, scale, params, True))
-    figures = {"rss_inputs": _settle() - base}
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the high-water mark to the current resident set
-    out = jax.block_until_ready(fn(*args))
-    figures["rss_peak"] = _hwm() - base
-    del out
-    figures["rss_cached"] = _settle() - base
-    jax.clear_caches()
-    figures["rss_cleared"] = _settle() - base
-    jax.block_until_ready(fn(*args))  # compiled again: the cache holds it again
-    del fn
-    figures["rss_deleted"] = _settle() - base
-    jitted: Any = v.program(params)
-    lowered = jitted.lower(*closure_constant.CASE.inputs(v, scale, params, False))
-    figures["lowered_text_bytes"] = len(lowered.as_text().encode())
-    return figures
-
-
-def host_figures(
-    variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]
-) -> dict[str, int]:
-    """`FIGURES` for one variant, measured in a fresh process (`Case.figures`)."""
-    figures: dict[str, int] = _subprocess.call(
-        "runbook.site.closure_constant:_host_figures_json",
-        variant=variant.name,
-        scale=dict(scale),
-        params=dict(params),
-    )
-    return figures
 
 
 def constant_bytes(report: MemoryReport) -> int:

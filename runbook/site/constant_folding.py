@@ -1,19 +1,13 @@
-"""The `constant-folding` page's measurements: a real compile and run in a fresh process, a
-sweep over sizes, what the compilers' analyses say, the claims, the tables and the chart.
-The case itself (the reproduction, the fixes, their inputs) is
-`runbook.cases.constant_folding`, which this module measures.
+"""The `constant-folding` page's measurements: a real compile and run in a fresh process
+(`runbook.runs.constant_folding`), a sweep over sizes, what the compilers' analyses say, the
+claims, the tables and the chart. The case itself (the reproduction, the fixes, their
+inputs) is `runbook.cases.constant_folding`, which this module measures.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import pathlib
-import statistics
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
@@ -21,13 +15,15 @@ import jax.numpy as jnp
 
 from .. import _cache, _subprocess
 from .._case import CaseResult
-from .._case_types import Variant
 from .._errors import RunbookError
 from .._measure import MemoryReport, measure
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
 from .._subprocess import one_line
 from ..cases.constant_folding import CASE, floor_bytes, table_bytes
+from ..runs import constant_folding as runs
+from ..runs._host import settle, status
+from ..runs.constant_folding import reset_peak, run_figures
 from ._claims import Claim, verdict
 from ._pages import cited_reports_table
 
@@ -52,130 +48,16 @@ REPORTS = {
     "so no claim is taken from it",
 }
 
-# The figures a real run measures (`run_figures`); resident sets in bytes above the process
-# before the inputs were made.
-FIGURES = {
-    "compile_seconds": "lowering and compiling the jitted function",
-    "rss_compile_peak": "resident peak while compiling",
-    "rss_compiled": "resident after compiling (the executable alive)",
-    "rss_run_peak": "resident peak over the calls",
-    "run_seconds": "one call, the median of a few",
-    "fold_warning_count": "XLA's 'Constant folding an instruction is taking' warnings",
-}
-# A compile that has not finished after this long is stopped: the figures then say so
-# (`unfinished_count`), and its compile time is at least this.
-COMPILE_LIMIT_SECONDS = 45.0
-CALLS = 3
 # A compile quicker than this may hold no single fold over XLA's one-second alarm.
 QUICK_COMPILE_SECONDS = 2.0
-WARNING = "Constant folding an instruction is taking"
+
+# The figures a real run measures (`Case.figures`): `runbook.runs.constant_folding`'s.
+FIGURES = runs.FIGURES
 
 RECOMMENDED = CASE.recommended or "table-from-argument"
 REPRO = "table-inside-jit"
 OPTION = "no-constant-folding"
 KEY_FIGURE = CASE.key_figure or "compile_seconds"
-
-
-def _settle() -> int:
-    from .._runtime import _settle
-
-    return _settle()
-
-
-def _status(field: str) -> int:
-    from .._runtime import _status
-
-    return _status(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the high-water mark to the current resident set
-
-
-@contextlib.contextmanager
-def _stderr_to(path: str) -> Iterator[None]:
-    """Descriptor 2 (where XLA's C++ logging goes) written to `path` inside."""
-    saved = os.dup(2)
-    with open(path, "ab") as f:
-        os.dup2(f.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def warnings_in(text: str) -> int:
-    """How many times XLA's slow-folding alarm fired in `text` (its stderr): one line each,
-    the one that carries the log prefix (the alarm repeats the message unprefixed when the
-    operation ends)."""
-    return sum(1 for line in text.splitlines() if WARNING in line and "] " in line)
-
-
-def _run_figures_json(
-    variant: str, scale: dict[str, Any], params: dict[str, Any], log: str
-) -> dict[str, float]:
-    """In a fresh process: compile and run one variant (`FIGURES`); XLA's stderr to `log`."""
-    start_backend()
-    v = CASE.variant(variant)
-    jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))  # start the runtime's pools
-    base = _settle()
-    args = jax.block_until_ready(CASE.inputs(v, scale, params, True))
-    _settle()
-    _reset_peak()
-    with _stderr_to(log):
-        start = time.perf_counter()
-        jitted: Any = v.program(params)
-        compiled = jitted.lower(*args).compile()
-        seconds = time.perf_counter() - start
-    figures: dict[str, float] = {
-        "compile_seconds": seconds,
-        "rss_compile_peak": _status("VmHWM") - base,
-        "rss_compiled": _settle() - base,
-    }
-    _reset_peak()
-    out = jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(CALLS):
-        del out  # one output alive at a time, as in a loop that keeps only the latest
-        start = time.perf_counter()
-        out = jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    del out
-    figures["rss_run_peak"] = _status("VmHWM") - base
-    figures["run_seconds"] = statistics.median(times)
-    return figures
-
-
-def run_figures(
-    variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]
-) -> dict[str, float]:
-    """`FIGURES` for one variant, compiled and run in a fresh process (`Case.figures`).
-
-    A compile still running after `COMPILE_LIMIT_SECONDS` is stopped: its figures are then
-    the time it ran (a lower bound, as ``compile_seconds``), the warnings it logged and
-    ``unfinished_count`` 1.
-    """
-    with tempfile.TemporaryDirectory() as folder:
-        path = pathlib.Path(folder) / "stderr.txt"
-        log = str(path)
-        start = time.perf_counter()
-        try:
-            figures: dict[str, float] = _subprocess.call(
-                "runbook.site.constant_folding:_run_figures_json",
-                timeout=COMPILE_LIMIT_SECONDS,
-                variant=variant.name,
-                scale=dict(scale),
-                params=dict(params),
-                log=log,
-            )
-            figures["unfinished_count"] = 0
-        except subprocess.TimeoutExpired:
-            figures = {"compile_seconds": time.perf_counter() - start, "unfinished_count": 1}
-        text = path.read_text(errors="replace") if path.exists() else ""
-    figures["fold_warning_count"] = warnings_in(text)
-    return figures
 
 
 def _sweep_json(sizes: list[list[int]]) -> list[dict[str, Any]]:
@@ -189,14 +71,14 @@ def _sweep_json(sizes: list[list[int]]) -> list[dict[str, Any]]:
         for name in (REPRO, RECOMMENDED):
             v = CASE.variant(name)
             args = CASE.inputs(v, s, {}, False)
-            base = _settle()
-            _reset_peak()
+            base = settle()
+            reset_peak()
             start = time.perf_counter()
             jitted: Any = v.program(s)
             jitted.lower(*args).compile()
             seconds = time.perf_counter() - start
             rows.append({"name": name, "elements": r * c, "table": table_bytes(s),
-                         "compile_seconds": seconds, "rss_compile_peak": _status("VmHWM") - base})  # fmt: skip
+                         "compile_seconds": seconds, "rss_compile_peak": status("VmHWM") - base})  # fmt: skip
     return rows
 
 
@@ -406,8 +288,8 @@ def claims(
 
     Compile time and host memory are measured by real compiles on this machine: for a
     target there is no run (`RunbookError`). Without `result`, each variant is compiled in
-    a child that is stopped after `COMPILE_LIMIT_SECONDS` (older XLAs fold far slower), and
-    memory_analysis is read at the tiny scale.
+    a child that is stopped after `runbook.runs.constant_folding.COMPILE_LIMIT_SECONDS`
+    (older XLAs fold far slower), and memory_analysis is read at the tiny scale.
     """
     if target is not None:
         raise RunbookError(
