@@ -69,12 +69,13 @@ def core_hash() -> str:
 @functools.cache
 def module_hash(module: str) -> str:
     """A case module's source (``runbook.cases.gather_grad``); for a case's page module
-    (``runbook.site.gather_grad``), its source and its case's, which it measures (a site
-    module that is no case's page: its own source)."""
+    (``runbook.site.gather_grad``) or real run (``runbook.runs.recompilation``), its source
+    and its case's, which it measures (a site module that is no case's page: its own
+    source)."""
     relative = module.split(".", 1)[1].replace(".", "/") + ".py"
     paths = [PACKAGE / relative]
-    case = PACKAGE / "cases" / relative.removeprefix("site/")
-    if relative.startswith("site/") and case.exists():
+    case = PACKAGE / "cases" / relative.removeprefix("site/").removeprefix("runs/")
+    if relative.startswith(("site/", "runs/")) and case.exists():
         paths.append(case)
     return _hash_files(paths)
 

@@ -9,17 +9,15 @@ all simulated devices together, so we divide by the device count for a per-devic
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import functools
-import gc
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from . import _cache, _subprocess
 from ._errors import WontFitError
+from ._host import available_bytes, settle, status
 
 # Prediction and measurement agree when within this fraction plus this slack per device.
 REL_TOLERANCE = 0.10
@@ -57,30 +55,6 @@ class RuntimePeak:
         return abs(self.measured - self.predicted) <= REL_TOLERANCE * self.predicted + ABS_TOLERANCE
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{field} missing from /proc/self/status")
-
-
-def _settle() -> int:
-    """Return freed heap pages to the OS, then read the resident set."""
-    gc.collect()
-    with contextlib.suppress(OSError):  # not glibc: freed, cached pages may then count
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return _status("VmRSS")
-
-
-def _available_host_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable"):
-                return int(line.split()[1]) * 1024
-    raise OSError("MemAvailable missing from /proc/meminfo")
-
-
 def _peak_json(
     name: str,
     variant: str,
@@ -111,7 +85,7 @@ def _peak_json(
         limit = min(d.memory_stats()["bytes_limit"] for d in devices[: case.devices])
         need, where = predicted, f"{devices[0].device_kind} ({limit:,} bytes usable)"
     else:
-        limit = _available_host_bytes()
+        limit = available_bytes()
         need, where = predicted * case.devices, f"this host ({limit:,} bytes available)"
     if need > SAFETY * limit:
         raise WontFitError(
@@ -120,10 +94,10 @@ def _peak_json(
         )
     jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))  # start the runtime's pools
     if not gpu:
-        base = _settle()
+        base = settle()
     args = jax.block_until_ready(case.inputs(v, size, params, True))
     if not gpu:
-        _settle()  # making the inputs leaves freed host buffers behind
+        settle()  # making the inputs leaves freed host buffers behind
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the high-water mark to the current resident set
     start = time.perf_counter()
@@ -134,7 +108,7 @@ def _peak_json(
         measured = max(d.memory_stats()["peak_bytes_in_use"] for d in devices[:used])
         method = "gpu peak_bytes_in_use"
     else:
-        measured = (_status("VmHWM") - base) // used
+        measured = (status("VmHWM") - base) // used
         method = "cpu resident-set peak / devices used"
     # A measured run that alone takes TIMING_SECONDS is its own timing.
     times = [first] if repeats and first >= TIMING_SECONDS else []

@@ -8,8 +8,8 @@ import pytest
 
 import runbook
 import runbook.site
-from runbook.site.producers import gpu as _gpu
 from runbook._errors import RunbookError
+from runbook.site.producers import gpu as _gpu
 
 GIB = 2**30
 

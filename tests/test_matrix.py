@@ -13,11 +13,11 @@ import pytest
 
 import runbook
 import runbook.site
-from runbook.site.producers import matrix as _matrix
 from runbook._case_types import Case, Variant
 from runbook._errors import RunbookError
 from runbook._releases import RELEASES
 from runbook.site._history import PROBLEM_RATIO, history, load_versions, release_key
+from runbook.site.producers import matrix as _matrix
 
 
 def _fake_case(*variants: Variant) -> Case:

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from .. import _subprocess
 from .._case_types import Variant
+from .._host import settle, status
 from .._quiet import start_backend
 from ..cases import closure_constant
-from ._host import settle, status
 
 # The figures a real run measures (`host_figures`), host resident set in bytes above the
 # process before the inputs were made (so the table the user holds counts once).

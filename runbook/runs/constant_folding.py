@@ -21,9 +21,9 @@ import jax.numpy as jnp
 
 from .. import _subprocess
 from .._case_types import Variant
+from .._host import settle, status
 from .._quiet import start_backend
 from ..cases.constant_folding import CASE
-from ._host import settle, status
 
 # The figures a real run measures (`run_figures`); resident sets in bytes above the process
 # before the inputs were made.

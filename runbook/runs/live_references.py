@@ -26,11 +26,11 @@ import numpy as np
 from .. import _cache, _subprocess
 from .._case_types import Variant
 from .._errors import RunbookError, WontFitError
+from .._host import available_bytes
 from .._quiet import start_backend
 from .._render import fmt_bytes
 from ..cases import live_references
 from ..cases.live_references import CASE, LOOPS, initial_params, param_bytes
-from ._host import available_bytes
 
 # The figures a real run measures (`live_figures`): live device bytes (``jax.live_arrays()``)
 # above what was live before the loop (the starting parameters, whose last reference the

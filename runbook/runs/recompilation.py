@@ -17,6 +17,7 @@ import numpy as np
 from .. import _cache, _subprocess
 from .._case_types import Variant
 from .._errors import WontFitError
+from .._host import available_bytes, settle
 from .._quiet import start_backend
 from .._render import fmt_bytes
 from ..cases import recompilation
@@ -30,7 +31,6 @@ from ..cases.recompilation import (
     run_traced_static,
     scaled_loss,
 )
-from ._host import available_bytes, settle
 
 # The figures a real run measures (`run_figures`): resident set in bytes above the process
 # before the loop, counts of compilations, seconds.

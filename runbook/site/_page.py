@@ -54,6 +54,7 @@ class FiguresPage(CitedPage, Protocol):
 class WatchedPage(FiguresPage, Protocol):
     """The page of a runtime case: its loops, run under `runbook.watch`."""
 
+    WATCH_STEPS: int  # steps each loop is watched for, past the watch's warm-up
     watched_loop: Callable[[str, int, Callable[[], None]], None]
 
 

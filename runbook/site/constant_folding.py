@@ -16,13 +16,13 @@ import jax.numpy as jnp
 from .. import _cache, _subprocess
 from .._case import CaseResult
 from .._errors import RunbookError
+from .._host import settle, status
 from .._measure import MemoryReport, measure
 from .._quiet import start_backend
 from .._render import Table, fmt_bytes
 from .._subprocess import one_line
 from ..cases.constant_folding import CASE, floor_bytes, table_bytes
 from ..runs import constant_folding as runs
-from ..runs._host import settle, status
 from ..runs.constant_folding import reset_peak, run_figures
 from ._claims import Claim, verdict
 from ._pages import cited_reports_table
@@ -96,6 +96,9 @@ def sweep(sizes: list[list[int]] | None = None) -> list[dict[str, Any]]:
         module=__name__,
     )
     return rows
+
+
+WATCH_STEPS = 4  # past the watch's warm-up, on the watch page
 
 
 def watched_loop(variant: str, steps: int, mark_step: Callable[[], None]) -> None:

@@ -222,18 +222,18 @@ def check_table(found: Sequence[DonationCheck], caption: str = "") -> Table:
 
 def _eager_json(scale: str) -> dict[str, Any]:
     """The train step run op by op (no jit), its resident-set peak: the `_runtime` method."""
-    from .._runtime import _settle, _status
+    from .._host import settle, status
 
     size = donation.CASE.scales[scale]
     jax.block_until_ready(jnp.ones(8) + 1)  # start the runtime's pools
-    base = _settle()
+    base = settle()
     args = jax.block_until_ready(_inputs(size, {}, True))
-    _settle()
+    settle()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     with jax.disable_jit():
         jax.block_until_ready(train_step(*args))
-    return {"measured": _status("VmHWM") - base}
+    return {"measured": status("VmHWM") - base}
 
 
 def eager_peak(scale: str | None = None) -> int:

@@ -54,6 +54,9 @@ RECOMMENDED = CASE.recommended or "keep-floats"
 KEY_FIGURE = CASE.key_figure or "live_growth"
 
 
+WATCH_STEPS = 12  # past the watch's warm-up, on the watch page
+
+
 def watched_loop(variant: str, steps: int, mark_step: Callable[[], None]) -> None:
     """Run `variant`'s loop (a name in `runbook.cases.live_references.LOOPS`) for `steps`
     steps at the case's runnable scale, calling `mark_step()` once per step."""

@@ -62,6 +62,9 @@ KEY_FIGURE = CASE.key_figure or "rss_growth"
 PAIRS = (("each-shape", RECOMMENDED), ("each-static", "traced-static"))
 
 
+WATCH_STEPS = 24  # past the watch's warm-up, on the watch page
+
+
 def watched_loop(variant: str, steps: int, mark_step: Callable[[], None]) -> None:
     """`variant`'s loop at the runnable scale for `steps` steps, calling `mark_step()` after
     each (for `runbook.watch`): the case's own loop, with a new jitted step."""

@@ -56,20 +56,20 @@ REPORTS = {
 
 def _loop_json(scale: str, repeats: int) -> dict[str, Any]:
     """`python_loop` run for real in this (fresh) process: resident-set peak and best time."""
-    from .._runtime import _settle, _status
+    from .._host import settle, status
 
     size = CASE.scale(scale)
     jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))
-    base = _settle()
+    base = settle()
     x, idx = _inputs(size, {}, True)
     host = [np.int32(i) for i in np.asarray(idx)]
     jax.block_until_ready(per_example_jit(x, host[0]))  # compile outside the measurement
     gc.collect()
-    _settle()
+    settle()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     python_loop(x, host)
-    measured = _status("VmHWM") - base
+    measured = status("VmHWM") - base
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -11,12 +11,15 @@ import functools
 from typing import Any
 
 from .. import _cache, _subprocess
-from .._case import get_case
+from .._case import case_names, get_case
 from .._render import Table
 from ._page import page_module
 
-# The runtime cases, with the steps each loop is watched for (past the watch's warm-up).
-CASES = {"live-references": 12, "recompilation": 24, "constant-folding": 4}
+# The runtime cases, with the steps each loop is watched for (past the watch's warm-up): its
+# page module's `WATCH_STEPS`.
+CASES = {
+    name: int(page_module(name).WATCH_STEPS) for name in case_names() if get_case(name).runtime
+}
 
 
 def _watch_json(case: str, variant: str, steps: int) -> dict[str, Any]:

@@ -25,8 +25,9 @@ from typing import Any
 from ... import __version__, _provenance, _subprocess
 from ..._case import case_names, get_case, measure_case
 from ..._errors import RunbookError, WontFitError
+from ..._host import available_bytes
 from ..._provenance import Provenance
-from ..._runtime import SAFETY, _available_host_bytes, runtime_peak
+from ..._runtime import SAFETY, runtime_peak
 from . import matrix as _matrix
 
 # Seconds one program may take to compile, process start included. (Real runs are bounded
@@ -91,7 +92,7 @@ def device_info() -> dict[str, Any]:
     stats = [d.memory_stats() or {} for d in devices]
     limits = [s["bytes_limit"] for s in stats if "bytes_limit" in s]
     if not limits and devices[0].platform == "cpu":  # CPUs report no limit: the host's memory
-        limits = [_available_host_bytes()]
+        limits = [available_bytes()]
     return {
         "device_kind": devices[0].device_kind,
         "devices": len(devices),

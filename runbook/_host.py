@@ -1,10 +1,6 @@
-"""The host's memory as ``/proc`` reports it, for the real runs: the resident set (settled),
-its high-water mark, what the machine has available.
-
-The same readers as `runbook._runtime`'s (``_status``, ``_settle``,
-``_available_host_bytes``), which this package does not import: `runbook._runtime` measures
-cases through `runbook._case`, whose `Case.figures` names this package's modules.
-"""
+"""The host's memory as ``/proc`` reports it, for real runs (`runbook._runtime`, the runs of
+`runbook.runs`, the pages' own): the resident set (settled), its high-water mark, what the
+machine has available. Imports nothing of the package."""
 
 from __future__ import annotations
 
