@@ -97,11 +97,23 @@ def test_a_data_folder_reruns_the_pages_that_read_it(tree):
     assert _changed(tree, "docs/_data/versions/0.1.json") == {"index.md"}
 
 
-def test_a_new_case_module_not_yet_registered_counts_as_core(tree):
+def test_a_new_case_module_is_a_case_and_reruns_the_pages_of_every_case(tree):
     before = _prints(tree)
     (tree / "runbook" / "cases" / "new_case.py").write_text("CASE = None\n")
     after = _prints(tree)
-    assert all(before[p] != after[p] for p in before)
+    assert {p for p in before if before[p] != after[p]} == {"index.md"}
+
+
+@pytest.mark.parametrize("module", ["runbook/runs/recompilation.py", "runbook/_host.py"])
+def test_a_real_run_is_its_case_s_and_what_it_shares_is_core(tree, module):
+    (tree / "docs" / "cases" / "recompilation.md").write_text(
+        PAGE.format(cases="recompilation", data="")
+    )
+    changed = _changed(tree, module)
+    if module.startswith("runbook/runs/"):
+        assert changed == {"cases/recompilation.md", "index.md"}
+    else:
+        assert changed == set(_prints(tree))
 
 
 @pytest.mark.parametrize(
@@ -173,8 +185,10 @@ def test_case_toctree_check_uses_the_real_case_list():
     import runbook
 
     index = (ROOT / "docs" / "index.md").read_text()
-    listed = [line.strip() for line in index.splitlines() if line.strip().startswith("cases/")]
+    assert ":glob:\n\ncases/*\n" in index  # the Cases navigation is the folder's pages
+    listed = sorted(f"cases/{p.stem}" for p in (ROOT / "docs" / "cases").glob("*.md"))
     assert runbook_docs.case_toctree_problem(listed, runbook.case_names()) is None
+    assert runbook_docs.case_toctree_problem(listed[1:], runbook.case_names()) is not None
 
 
 def test_the_extension_doctests_pass():

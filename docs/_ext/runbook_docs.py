@@ -79,14 +79,16 @@ def _digest(paths: Iterable[pathlib.Path], base: pathlib.Path) -> str:
 
 
 def case_modules(root: pathlib.Path) -> dict[str, list[pathlib.Path]]:
-    """Each case's two files, by case name (read from the package's case registry): the case
-    module and its page module (``runbook/cases/<case>.py``, ``runbook/site/<case>.py``)."""
-    text = (root / "runbook" / "_case.py").read_text()
-    found = re.findall(r'"([\w-]+)": "runbook\.cases\.(\w+)"', text)
+    """Each case's own files, by case name (every module of ``runbook/cases/`` is a case named
+    for its file, as `runbook.case_names()` finds them): the case module, its page module and
+    its real runs where it has them (``runbook/{cases,site,runs}/<case>.py``)."""
     package = root / "runbook"
     return {
-        name: [package / "cases" / f"{module}.py", package / "site" / f"{module}.py"]
-        for name, module in found
+        path.stem.replace("_", "-"): [
+            package / folder / path.name for folder in ("cases", "site", "runs")
+        ]
+        for path in sorted((package / "cases").glob("*.py"))
+        if not path.stem.startswith("_")
     }
 
 
