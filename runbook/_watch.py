@@ -9,8 +9,9 @@ compilation that itself takes seconds and host memory. `watch` records, at each
   ones accumulate (and what holds them: `gc.get_referrers` and the variables of the frames
   around the loop); the device allocator's bytes in use where JAX reports them;
 - every compilation: JAX's own log of it (``jax_log_compiles``: the function, its argument
-  types, XLA's seconds) and of why the cache missed (``jax_explain_cache_misses``), and how
-  much the host's peak resident set rose meanwhile;
+  types, XLA's seconds) and of why the cache missed (``jax_explain_cache_misses``), how
+  much the host's peak resident set rose meanwhile, and the evidence of constant folding:
+  the bytes of constants in the program XLA compiled, and XLA's slow-folding alarms;
 - the host's resident set.
 
 The rules of `runbook._watch_rules` turn that record into `Finding`s, the type
@@ -20,22 +21,29 @@ The rules of `runbook._watch_rules` turn that record into `Finding`s, the type
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import html
 import logging
+import os
 import re
+import sys
+import threading
 import time
+import weakref
 from typing import Any, Self
 
 import jax
 
 from . import _watch_rules
 from ._errors import RunbookError
+from ._hlo import Shape
 from ._locator import one_line
 from ._program import Finding
 from ._render import Table, fmt_bytes
-from ._watch_holders import holder
+from ._watch_holders import frame_value, holder
 from ._watch_rules import Compile, Growth, StepRecord, Thresholds
+from .runs.constant_folding import WARNING, warnings_in
 
 __all__ = ["Compile", "Growth", "StepRecord", "Thresholds", "Watch", "watch"]
 
@@ -44,6 +52,8 @@ _COMPILING = re.compile(
     r"^Compiling (.+?) with global shapes and types (.*?)\. Argument mapping", re.DOTALL
 )
 _FINISHED = re.compile(r"^Finished XLA compilation of (.+?) in ([0-9.eE+-]+) sec")
+_LOWERED = re.compile(r"^Finished jaxpr to MLIR module conversion (.+?) in [0-9.eE+-]+ sec")
+_CONSTANT = re.compile(r"= (\S+) constant\(")  # an HLO constant's shape, e.g. f32[2048,4096]{1,0}
 _MISS = re.compile(
     r"^TRACING CACHE MISS at (.+?)(?: costing [^\n]*?)?(?: because)?:\n(.*)", re.DOTALL
 )
@@ -87,6 +97,144 @@ def _shard_bytes(a: Any) -> int:
     return size
 
 
+def _program_constants() -> int | None:
+    """Bytes of the constants in the program XLA has just compiled (its optimised HLO: what
+    XLA folded, and arrays the function closes over), or None where the watch cannot reach
+    the program. Called under JAX's "Finished XLA compilation" record: the executable is
+    then a local of JAX's compile function on the stack."""
+    f: Any = sys._getframe(1)
+    exe = None
+    for _ in range(32):
+        if f is None:
+            break
+        if str(f.f_globals.get("__name__", "")).startswith("jax"):
+            exe = frame_value(f, lambda v: hasattr(type(v), "hlo_modules"))
+            if exe is not None:
+                break
+        f = f.f_back
+    del f
+    if exe is None:
+        return None
+    total = 0
+    try:
+        for module in exe.hlo_modules():  # type: ignore[attr-defined]
+            for shape in _CONSTANT.findall(module.to_string()):
+                total += Shape(shape).nbytes
+        return total
+    except Exception:  # noqa: BLE001 - a release whose executables print no HLO
+        return None
+
+
+def _flush_stderr() -> None:
+    with contextlib.suppress(Exception):
+        if sys.stderr is not None:
+            sys.stderr.flush()
+
+
+class _XlaLog:
+    """XLA's C++ log while XLA compiles, read on its way to the terminal.
+
+    XLA logs below Python, to the process's file descriptor 2; its slow-folding alarm
+    ("Constant folding an instruction is taking > 1s", `runbook.runs.constant_folding`'s
+    WARNING) is evidence that a slow compilation folds constants. While a compilation runs
+    (from JAX's "Finished jaxpr to MLIR" record to its "Finished XLA compilation" record)
+    the descriptor goes into a pipe, and a thread writes every byte on to where it went
+    before as it comes, nothing held back, counting the alarms on the way. Compilations in
+    several threads share one pipe.
+    """
+
+    def __init__(self) -> None:
+        self.alarms = 0
+        self.failed = ""
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = -1
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """Read the log (until `stop`); False where descriptor 2 cannot be redirected."""
+        with self._lock:
+            if self._users == 0:
+                if self.failed:
+                    return False
+                try:
+                    self._open()
+                except OSError as e:
+                    self.failed = f"{type(e).__name__}: {e}"
+                    return False
+            self._users += 1
+            return True
+
+    def _open(self) -> None:
+        _flush_stderr()
+        r, w = os.pipe()
+        try:
+            saved = os.dup(2)
+        except OSError:
+            os.close(r)
+            os.close(w)
+            raise
+        with contextlib.suppress(OSError, AttributeError, ImportError):
+            import fcntl  # room for bursts of log (Linux); the thread empties it as it comes
+
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 2**20)  # type: ignore[attr-defined,unused-ignore]
+        thread = threading.Thread(
+            target=self._copy, args=(r, saved), name="runbook-watch-xla-log", daemon=True
+        )
+        try:
+            thread.start()
+        except RuntimeError as e:  # no thread to be had: leave descriptor 2 alone
+            for fd in (r, w, saved):
+                os.close(fd)
+            raise OSError(str(e)) from None
+        try:
+            os.dup2(w, 2)
+        finally:
+            # descriptor 2 is now the pipe's only writer: restoring it ends the thread (which
+            # closes `r` and `saved`); if dup2 failed, closing `w` ends it at once
+            os.close(w)
+        self._saved, self._thread = saved, thread
+
+    def stop(self, everyone: bool = False) -> None:
+        """One compilation's reading ends; the last (or `everyone`) puts descriptor 2 back
+        and waits until the thread has written and read everything."""
+        with self._lock:
+            if self._users == 0:
+                return
+            self._users = 0 if everyone else self._users - 1
+            if self._users:
+                return
+            _flush_stderr()
+            with contextlib.suppress(OSError):  # else the thread goes on passing it on
+                os.dup2(self._saved, 2)
+            thread, self._thread, self._saved = self._thread, None, -1
+        if thread is not None:
+            thread.join(timeout=1.0)  # a child process that inherited the pipe keeps it open
+
+    def _copy(self, r: int, out: int) -> None:
+        tail = b""
+        mark = WARNING.encode()
+        try:
+            while chunk := os.read(r, 2**16):
+                with contextlib.suppress(OSError):  # stderr gone: keep emptying the pipe
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(out, view) :]
+                *lines, tail = (tail + chunk).split(b"\n")
+                tail = tail[-(2**14) :]
+                self._count(lines, mark)
+            self._count([tail], mark)
+        finally:
+            os.close(r)
+            os.close(out)
+
+    def _count(self, lines: list[bytes], mark: bytes) -> None:
+        found = [ln.decode(errors="replace") for ln in lines if mark in ln]
+        if n := warnings_in("\n".join(found)):
+            with self._lock:
+                self.alarms += n
+
+
 class _LogTap(logging.Filter):
     """On JAX's loggers while a watch runs: reads the compile log, and keeps it off the
     user's console unless the user had asked for it."""
@@ -100,7 +248,13 @@ class _LogTap(logging.Filter):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a malformed record is not ours to judge
             return True
-        ours = self.watch._read_log(message)
+        try:
+            ours = self.watch._read_log(message)
+        except Exception as e:  # noqa: BLE001 - the watch must not break the user's compile
+            note = f"a record of JAX's compile log could not be read: {one_line(e)}"
+            if note not in self.watch.caveats:
+                self.watch.caveats.append(note)
+            return True
         return ours is None or ours in self.passthrough
 
 
@@ -155,7 +309,8 @@ class Watch:
         self._flags: dict[str, Any] = {}
         self._taps: list[tuple[logging.Logger, _LogTap]] = []
         self._start_arrays: set[int] = set()
-        self._prev_ids: set[int] = set()
+        self._candidates: dict[int, weakref.ref[Any]] = {}
+        self._xla = _XlaLog()
 
     # -- the context -------------------------------------------------------------------------
 
@@ -233,6 +388,18 @@ class Watch:
         for pending in self._pending.values():  # a compile that never finished (it raised)
             self._finish(pending["function"], 0.0, pending)
         self._pending.clear()
+        self._xla.stop(everyone=True)
+        self._candidates.clear()
+        if self._xla.failed:
+            self.caveats.append(
+                f"XLA's log (file descriptor 2) could not be read ({self._xla.failed}): its "
+                "slow-folding alarms are not seen"
+            )
+        if self.compiles and all(c.constants is None for c in self.compiles):
+            self.caveats.append(
+                f"the programs XLA compiled could not be read on JAX {jax.__version__}: "
+                "their constants are not seen"
+            )
         if self._monitored > len(self.compiles):
             self.caveats.append(
                 f"jax.monitoring counted {self._monitored} compilations, JAX's log "
@@ -298,7 +465,6 @@ class Watch:
             self._base_ids = {id(a) for a in arrays}
         elif n > self.thresholds.warmup and self._holders:
             self._find_holders(arrays)
-        self._prev_ids = {id(a) for a in arrays}
         del arrays
         self._last = time.perf_counter()
 
@@ -314,23 +480,30 @@ class Watch:
         return sorted(out, key=lambda g: -g[2])
 
     def _find_holders(self, arrays: list[Any]) -> None:
-        """What holds one array of each growing group (at most three groups, once): one
-        made after the warm-up that outlived a step, so not the step's fresh state."""
-        for key, _, _ in self._growing()[:3]:
-            if key in self._held:
-                continue
-            new = next(
-                (
-                    a
-                    for a in reversed(arrays)
-                    if id(a) in self._prev_ids
-                    and id(a) not in self._base_ids
-                    and (a.shape, a.dtype) == key
-                ),
-                None,
-            )
-            if new is not None:
-                self._held[key] = holder(new, exclude={id(arrays)})
+        """What holds one array of each growing group (at most three groups, once): the
+        oldest made after the warm-up that outlived a step, so not the step's fresh state.
+        That it outlived a step is known from a weak reference taken at the previous mark,
+        not from its id (ids of freed arrays are reused); nothing is kept alive."""
+        growing = [key for key, _, _ in self._growing()[:3] if key not in self._held]
+        candidates, self._candidates = self._candidates, {}
+        for key in growing:
+            old = None
+            for a in reversed(arrays):  # jax.live_arrays() lists the newest first
+                r = candidates.get(id(a))
+                if r is not None and (a.shape, a.dtype) == key and r() is a:
+                    old = a
+                    break
+            if old is not None:
+                self._held[key] = holder(old, exclude={id(arrays)})
+            del old
+        del candidates
+        wanted = {key for key in growing if key not in self._held}
+        if wanted:
+            self._candidates = {
+                id(a): weakref.ref(a)
+                for a in arrays
+                if (a.shape, a.dtype) in wanted and id(a) not in self._base_ids
+            }
 
     @property
     def growth(self) -> list[Growth]:
@@ -369,6 +542,11 @@ class Watch:
                 "step": self._step_now(),
             }
             return "jax_log_compiles"
+        if m := _LOWERED.match(message):
+            pending = self._pending.get(_short(m.group(1)))
+            if pending is not None and "alarms" not in pending and self._xla.start():
+                pending["alarms"] = self._xla.alarms  # XLA compiles it next: read its log
+            return "jax_log_compiles"
         if m := _FINISHED.match(message):
             name = _short(m.group(1))
             pending = self._pending.pop(name, None) or {
@@ -379,12 +557,17 @@ class Watch:
                 "step": self._step_now(),
             }
             pending["function"] = m.group(1)
+            pending["constants"] = _program_constants()
             self._finish(name, float(m.group(2)), pending)
             return "jax_log_compiles"
         return "jax_log_compiles" if message.startswith(_CHATTER) else None
 
     def _finish(self, name: str, seconds: float, pending: dict[str, Any]) -> None:
         types_ = pending["types"]
+        alarms = None
+        if "alarms" in pending:
+            self._xla.stop()
+            alarms = self._xla.alarms - pending["alarms"]
         hwm, rss = _proc_status("VmHWM"), _proc_status("VmRSS")
         rise = None
         if pending["hwm"] is not None and hwm is not None and pending["rss"] is not None:
@@ -407,7 +590,15 @@ class Watch:
         self._last_types[name] = types_
         self.compiles.append(
             Compile(
-                pending["function"], max(1, pending["step"]), seconds, types_, change, site, rise
+                pending["function"],
+                max(1, pending["step"]),
+                seconds,
+                types_,
+                change,
+                site,
+                rise,
+                pending.get("constants"),
+                alarms,
             )
         )
 
@@ -596,8 +787,10 @@ def watch(thresholds: Thresholds | None = None, *, holders: bool = True, **overr
 
     It names ``live-references`` (live bytes rising step after step), ``recompilation``
     (a function compiled again in several steps) and ``constant-folding`` (a compilation
-    taking seconds or much host memory), each with its fix. A loop in a steady state gets
-    no finding: the first `Thresholds.warmup` steps are not judged.
+    taking seconds or much host memory whose program holds large constants, or during
+    which XLA logged its slow-folding alarm), each with its fix. A loop in a steady state
+    gets no finding: the first `Thresholds.warmup` steps are not judged, and a first
+    compilation that is merely slow is not constant folding.
 
     Args:
         thresholds: when a rule fires (`Thresholds`); the defaults when None.
@@ -633,7 +826,8 @@ def _describe(t: Thresholds) -> str:
     return (
         f"after {t.warmup} warm-up steps: growth of {fmt_bytes(t.min_growth)} rising in "
         f"{t.rising:.0%} of steps, a function compiled in {t.recompiles} steps; any "
-        f"compilation of {t.slow_compile:g} s or {fmt_bytes(t.compile_host)} of host memory"
+        f"compilation of {t.slow_compile:g} s or {fmt_bytes(t.compile_host)} of host memory "
+        f"that folds constants ({fmt_bytes(t.fold_constant)} of them, or XLA's alarm)"
     )
 
 

@@ -1,9 +1,9 @@
 """The rules of `runbook.watch`: when a loop's record names a case, and the findings.
 
 Each rule reads only what the watch recorded (live device bytes per step, the arrays added
-since the warm-up, every compilation with its seconds and host memory) and compares it with
-one documented threshold of `Thresholds`, so that a test can sit just below or just above
-each threshold.
+since the warm-up, every compilation with its seconds, host memory and evidence of constant
+folding) and compares it with documented thresholds of `Thresholds`, so that a test can sit
+just below or just above each threshold.
 """
 
 from __future__ import annotations
@@ -42,9 +42,14 @@ class Thresholds:
             recompiling, if also in `recompile_share` of them.
         recompile_share: the share of the steps after the warm-up in which the function
             compiled; compiles that die out (shape buckets filling up) are not flagged.
-        slow_compile: seconds one compilation may take before it is flagged.
+        slow_compile: seconds one compilation may take before it is flagged, if it shows
+            constant folding (`fold_constant`).
         compile_host: bytes the host's peak resident set may rise during one compilation
-            before it is flagged.
+            before it is flagged, if it shows constant folding (`fold_constant`).
+        fold_constant: bytes of constants in the compiled program that show constant
+            folding (tables XLA computed while compiling, or arrays the function closes
+            over); XLA's own slow-folding alarm during the compilation shows it too. A slow
+            compilation without either is a large program, not this case.
     """
 
     warmup: int = 2
@@ -55,6 +60,7 @@ class Thresholds:
     recompile_share: float = 0.5
     slow_compile: float = 2.0
     compile_host: int = 128 * 2**20
+    fold_constant: int = 2**20
 
     def __post_init__(self) -> None:
         from ._errors import RunbookError
@@ -116,6 +122,11 @@ class Compile:
         call_site: where the call that missed the cache was made, when JAX says.
         host_rise: how much the host's peak resident set rose during the compilation (a
             lower bound when the process had a higher peak before), or None.
+        constants: bytes of the constants in the compiled program (its optimised HLO), or
+            None where the watch could not read the program.
+        fold_warnings: how many times XLA logged its slow-folding alarm ("Constant folding
+            an instruction is taking > 1s") during the compilation, or None where its log
+            could not be read.
     """
 
     function: str
@@ -125,6 +136,8 @@ class Compile:
     change: str = ""
     call_site: str = ""
     host_rise: int | None = None
+    constants: int | None = None
+    fold_warnings: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +182,17 @@ def live_references(
     n = len(post) - 1
     added = sorted(growth, key=lambda g: -g.bytes)
     held = next((g.holder for g in added if g.holder), "")
+    where = all_ = ""
+    if len(devices) > 1:  # the rate is one device's: say which, and all devices' beside it
+        top = max(
+            sorted(devices), key=lambda d: last.live_bytes.get(d, 0) - first.live_bytes.get(d, 0)
+        )
+        total = last.total - first.total
+        where = f" on {top}, the device that gained most,"
+        all_ = f"; {fmt_bytes(total)} on all devices, {fmt_bytes(total / n)} per step"
     detail = (
-        f"the live device arrays gained {fmt_bytes(gained)} in the {n} steps after the "
-        f"warm-up ({fmt_bytes(gained / n)} per step; they rose in {rose} of {n}), from "
+        f"the live device arrays gained {fmt_bytes(gained)}{where} in the {n} steps after the "
+        f"warm-up ({fmt_bytes(gained / n)} per step{all_}; they rose in {rose} of {n}), from "
         f"{first.live_arrays} to {last.live_arrays} arrays"
         + (
             f"; the arrays added: {', '.join(f'{g.shape} x{g.arrays}' for g in added[:3])}"
@@ -240,10 +261,30 @@ def recompilation(
     ]
 
 
+def folds(c: Compile, t: Thresholds) -> bool:
+    """The compilation shows constant folding: constants of at least `fold_constant` bytes
+    in its program, or XLA's slow-folding alarm."""
+    return bool(c.fold_warnings) or (c.constants or 0) >= t.fold_constant
+
+
+def _evidence(c: Compile) -> str:
+    parts = []
+    if c.constants:
+        parts.append(f"its program holds {fmt_bytes(c.constants)} of constants")
+    if c.fold_warnings:
+        n = c.fold_warnings
+        parts.append(f"XLA logged its slow-folding alarm {n} time{'s' if n > 1 else ''}")
+    return " and ".join(parts)
+
+
 def constant_folding(compiles: Sequence[Compile], t: Thresholds) -> list[Finding]:
-    """One compilation that takes seconds or much host memory (the warm-up included)."""
+    """One compilation that takes seconds or much host memory (the warm-up included) and
+    shows constant folding: large constants in its program, or XLA's slow-folding alarm.
+    Seconds alone are not enough: a large program takes seconds to compile too."""
     slow = [
-        c for c in compiles if c.seconds >= t.slow_compile or (c.host_rise or 0) >= t.compile_host
+        c
+        for c in compiles
+        if (c.seconds >= t.slow_compile or (c.host_rise or 0) >= t.compile_host) and folds(c, t)
     ]
     if not slow:
         return []
@@ -252,6 +293,7 @@ def constant_folding(compiles: Sequence[Compile], t: Thresholds) -> list[Finding
     detail = "; ".join(
         f"{c.function} took {c.seconds:.2f} s to compile at step {c.step}"
         + (f", the host's peak resident set rose {fmt_bytes(c.host_rise)}" if c.host_rise else "")
+        + f"; {_evidence(c)}"
         for c in slow[:3]
     ) + (
         ": XLA evaluating operations on constants (tables built inside the function, or "
@@ -263,7 +305,7 @@ def constant_folding(compiles: Sequence[Compile], t: Thresholds) -> list[Finding
             ", ".join(c.types) or "-",
             "compile",
             c.function,
-            f"{c.seconds:.2f} s",
+            f"{c.seconds:.2f} s; {_evidence(c)}",
             c.call_site,
         )
         for c in slow

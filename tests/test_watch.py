@@ -3,8 +3,11 @@ thresholds, bad input, the CLI and the overhead."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +20,7 @@ import pytest
 import runbook
 from runbook._case import case_names
 from runbook._watch import Watch, watch
-from runbook._watch_rules import FIXES, Thresholds
+from runbook._watch_rules import FIXES, Compile, Thresholds, constant_folding, folds
 from runbook._watch_run import overhead
 
 
@@ -218,7 +221,9 @@ def test_constant_folding_named_and_its_threshold():
     w = _fold_loop(2**20, compile_host=2**40, slow_compile=600.0)
     (c,) = [c for c in w.compiles if "lookup" in c.function]
     assert c.host_rise is not None
-    worst = max(x.host_rise or 0 for x in w.compiles)
+    assert c.constants is not None
+    assert c.constants >= 4 * 2**20  # the folded table
+    worst = max(x.host_rise or 0 for x in w.compiles if folds(x, w.thresholds))
     (f,) = w.findings_for(compile_host=worst, slow_compile=600.0)
     assert f.case == "constant-folding"
     assert f.bytes == worst
@@ -241,6 +246,163 @@ def test_constant_folding_fix_is_silent_under_the_same_thresholds():
             lookup(table, np.arange(8) + i)
             w.step()
     assert w.findings == ()
+
+
+def _sgd_mlp(width: int, rng: np.random.Generator):
+    """An MLP's parameters and a jitted SGD-with-momentum step: the state a real loop
+    replaces every step (parameters, momentum, loss)."""
+    params = [
+        jnp.asarray(rng.standard_normal((width, 2 * width)) / width, jnp.float32),
+        jnp.asarray(rng.standard_normal((2 * width, width)) / width, jnp.float32),
+    ]
+
+    @jax.jit
+    def sgd(params, momentum, x):
+        def loss(ps):
+            return jnp.mean((jnp.tanh(x @ ps[0]) @ ps[1] - x) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        momentum = [0.9 * m + g for m, g in zip(momentum, grads, strict=True)]
+        return [p - 1e-3 * m for p, m in zip(params, momentum, strict=True)], momentum, value
+
+    return params, [jnp.zeros_like(p) for p in params], sgd
+
+
+def test_a_slow_compile_without_folding_is_silent():
+    """Seconds (or host memory) alone are no evidence of constant folding: with thresholds
+    every compile crosses, a steady loop's compiles (the first included) draw no finding,
+    while a table built inside jit from no argument (the case's reproduction) still does."""
+    everything = {"slow_compile": 0.0, "compile_host": 0}
+    rng = np.random.default_rng(0)
+    params, momentum, sgd = _sgd_mlp(64, rng)
+    losses = []
+    with watch(**everything) as w:
+        for _ in range(8):
+            x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+            params, momentum, value = sgd(params, momentum, x)
+            losses.append(float(value))
+            w.step()
+    assert any("sgd" in c.function for c in w.compiles)
+    # the watch read every program: what it compiled holds no large constant
+    assert all(c.constants is not None and c.constants < 2**20 for c in w.compiles)
+    assert w.findings == ()
+
+    from runbook.cases.constant_folding import table_from_argument, table_inside_jit
+
+    x = jnp.ones((256, 1024), jnp.float32)  # a 1 MiB table from a 4 MiB base
+    folded, fixed = jax.jit(table_inside_jit), jax.jit(table_from_argument)
+    with watch(**everything) as w:
+        for _ in range(3):
+            jax.block_until_ready(folded(x))
+            w.step()
+    (f,) = w.findings
+    assert f.case == "constant-folding"
+    assert "table_inside_jit" in f.detail
+    assert "1.00 MiB of constants" in f.detail
+    _check_link(f)
+    with watch(**everything) as w:
+        for _ in range(3):
+            jax.block_until_ready(fixed(x, jnp.float32(1.0)))
+            w.step()
+    assert w.findings == ()
+
+
+def test_xla_slow_folding_alarm_is_evidence_too():
+    """XLA's own alarm names a slow compilation as folding, whatever its constants; seconds
+    alone, or constants below `fold_constant`, do not."""
+    t = Thresholds()
+    slow = Compile("jit(f)", 1, 5.0, ("float32[8]",), constants=0, fold_warnings=0)
+    assert constant_folding([slow], t) == []
+    alarmed = dataclasses.replace(slow, fold_warnings=1)
+    (f,) = constant_folding([alarmed], t)
+    assert f.case == "constant-folding"
+    assert "slow-folding alarm 1 time" in f.detail
+    assert constant_folding([dataclasses.replace(slow, constants=2**20 - 1)], t) == []
+    assert constant_folding([dataclasses.replace(slow, constants=2**20)], t)
+    quick = dataclasses.replace(alarmed, seconds=0.5, host_rise=0)
+    assert constant_folding([quick], t) == []  # evidence alone: not slow, not a finding
+
+
+def test_xla_log_is_read_and_passed_on(capfd):
+    """While XLA compiles, descriptor 2 goes through the watch's pipe: every line still
+    reaches stderr, and the slow-folding alarms (the prefixed line, once each) are counted."""
+    from runbook._watch import _XlaLog
+
+    log = _XlaLog()
+    assert log.start()
+    os.write(2, b"E0101 00:00:00.0 1 slow_operation_alarm.cc:74] Constant folding an ")
+    os.write(2, b"instruction is taking > 1s:\n\n  %reduce = f32[8]{0} reduce(...)\n")
+    os.write(2, b"Constant folding an instruction is taking > 1s:\nother line\n")
+    log.stop()
+    assert log.alarms == 1
+    err = capfd.readouterr().err
+    assert err.count("Constant folding an instruction is taking > 1s") == 2
+    assert "other line" in err
+    os.write(2, b"after\n")  # descriptor 2 is back
+    assert capfd.readouterr().err == "after\n"
+
+
+def _loss_loop(watched: bool) -> tuple[int, int, int, list[str]]:
+    """A loop that keeps only its loss (a scalar a step), in a function of its own: the
+    live arrays before it, after the `with` block and once the loop's variables are
+    deleted; and the shapes the watch says grew."""
+    rng = np.random.default_rng(1)
+    params, momentum, sgd = _sgd_mlp(64, rng)
+    jax.block_until_ready(sgd(params, momentum, jnp.ones((32, 64), jnp.float32)))
+    before = len(jax.live_arrays())
+    losses = []
+    w = watch() if watched else None
+    with w if w is not None else contextlib.nullcontext():
+        for _ in range(12):
+            x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+            params, momentum, value = sgd(params, momentum, x)
+            losses.append(value)
+            if w is not None:
+                w.step()
+    after = len(jax.live_arrays())
+    del params, momentum, value, x, losses, sgd
+    deleted = len(jax.live_arrays())
+    return before, after, deleted, [g.shape for g in w.growth] if w is not None else []
+
+
+def test_the_watch_keeps_no_array_alive():
+    """The holder scan reads the loop's variables: once it returns it holds nothing (no
+    frame, no snapshot of the frame's variables, no referrer list), so the loop's arrays
+    die with the loop's variables, as in an unwatched run, and only the losses grow."""
+    b0, a0, d0, _ = _loss_loop(watched=False)
+    b1, a1, d1, grew = _loss_loop(watched=True)
+    assert a0 - b0 == 12 + 1  # the losses and the last batch (new parameters for old)
+    assert a1 - b1 == a0 - b0
+    assert d0 == b0 - 4  # the parameters and momentum made before the loop are gone too
+    assert d1 - b1 == d0 - b0
+    assert grew == ["float32[]"]
+
+
+def test_growth_rate_matches_the_live_arrays():
+    """A loop that keeps each batch: the watch's growth per step is what the kept list
+    gains per step, read from `jax.live_arrays()`, within 10%."""
+    rng = np.random.default_rng(2)
+    params, momentum, sgd = _sgd_mlp(128, rng)
+    kept: list[jax.Array] = []
+    live = []  # the live arrays' bytes that the kept list holds, after each step
+    with watch() as w:
+        for _ in range(20):
+            x = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
+            params, momentum, _ = sgd(params, momentum, x)
+            kept.append(x)
+            ids = {id(k) for k in kept}
+            live.append(sum(a.nbytes for a in jax.live_arrays() if id(a) in ids))
+            w.step()
+    warmup = w.thresholds.warmup
+    truth = (live[-1] - live[warmup - 1]) / (20 - warmup)
+    assert truth == pytest.approx(256 * 128 * 4, rel=0.01)  # one batch a step
+    (f,) = w.findings
+    assert f.case == "live-references"
+    reported = f.bytes / (w.steps - warmup)
+    assert reported == pytest.approx(truth, rel=0.1), f.detail
+    assert f"({runbook.fmt_bytes(reported)} per step" in f.detail
+    (g, *_) = w.growth
+    assert g.bytes / g.arrays == pytest.approx(truth, rel=0.1)
 
 
 def test_nothing_happened_is_one_line():
