@@ -71,12 +71,15 @@ def module_hash(module: str) -> str:
     """A case module's source (``runbook.cases.gather_grad``); for a case's page module
     (``runbook.site.gather_grad``) or real run (``runbook.runs.recompilation``), its source
     and its case's, which it measures (a site module that is no case's page: its own
-    source)."""
+    source); a case's measurement setup (``runbook/cases/_setup/<case>.py``) counts with it."""
     relative = module.split(".", 1)[1].replace(".", "/") + ".py"
     paths = [PACKAGE / relative]
-    case = PACKAGE / "cases" / relative.removeprefix("site/").removeprefix("runs/")
+    case = PACKAGE / "cases" / relative.split("/")[-1]
     if relative.startswith(("site/", "runs/")) and case.exists():
         paths.append(case)
+    setup = PACKAGE / "cases" / "_setup" / case.name  # the case's inputs and floor, if apart
+    if case in paths and setup.exists():
+        paths.append(setup)
     return _hash_files(paths)
 
 

@@ -79,7 +79,14 @@ def _changed(tree: pathlib.Path, path: str) -> set[str]:
     return {page for page in before if before[page] != after[page]}
 
 
-@pytest.mark.parametrize("module", ["runbook/cases/gather_grad.py", "runbook/site/gather_grad.py"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "runbook/cases/gather_grad.py",
+        "runbook/cases/_setup/gather_grad.py",
+        "runbook/site/gather_grad.py",
+    ],
+)
 def test_a_case_s_files_rerun_its_page_and_the_pages_of_every_case(tree, module):
     assert _changed(tree, module) == {"cases/gather-grad.md", "index.md"}
 

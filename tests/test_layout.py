@@ -136,7 +136,19 @@ def test_a_case_module_imports_alone_and_pulls_in_only_the_case_types(module):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     pulled = set(json.loads(out.strip().splitlines()[-1])) - {module}
-    assert pulled <= CASE_MAY_IMPORT, f"{module} pulled in {sorted(pulled - CASE_MAY_IMPORT)}"
+    # and its own measurement setup, where it keeps one (`runbook/cases/_setup/<case>.py`)
+    allowed = CASE_MAY_IMPORT | {
+        "runbook.cases._setup",
+        module.replace(".cases.", ".cases._setup."),
+    }
+    assert pulled <= allowed, f"{module} pulled in {sorted(pulled - allowed)}"
+
+
+def test_a_case_s_setup_belongs_to_a_case_and_imports_no_case():
+    for path in sorted((PACKAGE / "cases" / "_setup").glob("[!_]*.py")):
+        assert (PACKAGE / "cases" / path.name).exists(), f"{path.name}: no case of that name"
+        imported = import_graph()[_module_name(path)]
+        assert not {m for m in imported if m.startswith("runbook.cases.") and "_setup" not in m}
 
 
 def test_every_case_module_is_a_case_named_for_its_file():

@@ -80,12 +80,13 @@ def _digest(paths: Iterable[pathlib.Path], base: pathlib.Path) -> str:
 
 def case_modules(root: pathlib.Path) -> dict[str, list[pathlib.Path]]:
     """Each case's own files, by case name (every module of ``runbook/cases/`` is a case named
-    for its file, as `runbook.case_names()` finds them): the case module, its page module and
-    its real runs where it has them (``runbook/{cases,site,runs}/<case>.py``)."""
+    for its file, as `runbook.case_names()` finds them): the case module, its page module, and
+    its measurement setup and real runs where it has them
+    (``runbook/{cases,cases/_setup,site,runs}/<case>.py``)."""
     package = root / "runbook"
     return {
         path.stem.replace("_", "-"): [
-            package / folder / path.name for folder in ("cases", "site", "runs")
+            package / folder / path.name for folder in ("cases", "cases/_setup", "site", "runs")
         ]
         for path in sorted((package / "cases").glob("*.py"))
         if not path.stem.startswith("_")
