@@ -12,6 +12,7 @@ import pytest
 import runbook
 from runbook._cli import main
 from runbook.cases import frozen_params
+from runbook.cases._setup import frozen_params as setup
 from runbook.cases.frozen_params import CASE
 from runbook.site import frozen_params as page
 
@@ -47,7 +48,7 @@ def test_whole_case_measured_within_a_minute(seed):
 
 def test_returned_gradient_holds_zeros_the_size_of_the_frozen_weights(seed):
     result = seed[0]
-    frozen = frozen_params._sizes(CASE.scales["seed"])["frozen"]
+    frozen = setup.sizes(CASE.scales["seed"])["frozen"]
     repro = result.one("stop-gradient", program="gradient")
     fix = result.one("trainable-only", program="gradient")
     assert repro.output - fix.output == pytest.approx(frozen, rel=0.01)
@@ -59,7 +60,7 @@ def test_zeros_leave_only_through_the_output(costs):
     assert kept == ["returned from jit"]
     assert costs[0]["frozen_sized"][0].kind == "output"
     assert all(c["extra"] == 0 for c in costs[1:-1])
-    assert costs[-1]["extra"] > 2 * frozen_params._sizes(CASE.scales["seed"])["frozen"]
+    assert costs[-1]["extra"] > 2 * setup.sizes(CASE.scales["seed"])["frozen"]
 
 
 def test_recommended_fix_saves_and_sits_near_its_floor(seed):

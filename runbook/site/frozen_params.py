@@ -21,14 +21,12 @@ from .._case import CaseResult, measure_case
 from .._errors import DoesNotFitError
 from .._measure import MemoryReport, measure
 from .._render import Table, fmt_bytes
+from ..cases._setup import frozen_params as setup
 from ..cases.frozen_params import (
     CASE,
     OPTIMIZER,
     PROGRAMS,
     Params,
-    _batch,
-    _params,
-    _sizes,
     grad_stop_gradient,
     grad_trainable,
     jit_step,
@@ -92,8 +90,8 @@ def zero_programs(scale: Mapping[str, Any]) -> list[tuple[str, Any, Any, tuple[A
     """Programs that differentiate with stop_gradient on the frozen weights and differ in
     what consumes the gradient: (what happens to it, the program, the same program for the
     adapters only, the abstract args of each)."""
-    params = _params(scale, False)
-    batch = _batch(scale, False)
+    params = setup.params(scale, False)
+    batch = setup.batch(scale, False)
     whole = jax.eval_shape(OPTIMIZER.init, params)
     masked = jax.eval_shape(masked_optimizer().init, params)
     lora = jax.eval_shape(OPTIMIZER.init, params["lora"])
@@ -226,7 +224,7 @@ def stored_for_backward(scale_name: str = "seed") -> dict[str, int]:
     the residuals shaped like the frozen weights; the others count the rest (activations).
     """
     scale = CASE.scales[scale_name]
-    args = (_params(scale, False), *_batch(scale, False))
+    args = (setup.params(scale, False), *setup.batch(scale, False))
     frozen = "f32[{layers},{width},{width}]".format(**scale)
     out = {}
     for key, fn in (("stopped branch", loss_stopped_branch), ("stopped weights", loss_stopped)):
@@ -319,7 +317,7 @@ def claims(
     at: Callable[[str, str], MemoryReport] = lambda name, program: result.one(name, program=program)
     kept = [c for c in costs if c["zeros"]]
     removed = [c for c in costs if not c["zeros"]]
-    frozen = _sizes(CASE.scales[result.scale])["frozen"]
+    frozen = setup.sizes(CASE.scales[result.scale])["frozen"]
     out = []
 
     returned = costs[0]
