@@ -70,7 +70,7 @@ def test_pmap_loops_tpu_floor_leaves_out_the_product_the_tpu_compiler_fuses() ->
     # writes one iteration's (rows, rows) product to a buffer of its own, XLA's TPU compiler
     # fuses it into its consumers and has no buffer of that size. The floor one compiler
     # needs would fail the check above on the other.
-    from runbook.cases import pmap_loop
+    from runbook.cases._setup import pmap_loop
 
     scale = runbook.get_case("pmap-loop").scales["seed"]
     product = pmap_loop.product_bytes(scale)

@@ -9,20 +9,19 @@ and its fixes; copy the one you need.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _case_types
 from .._case_types import Case, Variant
+from ._setup import pmap_loop as _setup
 
-DEVICES = 4
+DEVICES = _setup.DEVICES
 ITERATIONS = (1, 2, 4, 8, 16, 32)
 
 
@@ -95,119 +94,9 @@ def shard_mapped(
     return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
 
 
-def _rows_per_device(scale: Mapping[str, Any]) -> int:
-    rows: int = scale["rows"] // DEVICES
-    return rows
-
-
-def _local_indices(scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool) -> Any:
-    k = params["iterations"]
-    if not concrete:
-        return jax.ShapeDtypeStruct((DEVICES, k), jnp.int32)
-    rng = np.random.default_rng(0)
-    return rng.integers(0, _rows_per_device(scale), size=(DEVICES, k)).astype(np.int32)
-
-
-def _inputs(scale: Mapping[str, Any], concrete: bool) -> Any:
-    shape = (scale["rows"], scale["row"])
-    if not concrete:
-        return jax.ShapeDtypeStruct(shape, jnp.float32)
-    rng = np.random.default_rng(1)
-    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(scale["row"])).astype(np.float32)
-
-
-def _mesh() -> jax.sharding.Mesh:
-    """The case's devices in a mesh: this process's, or a target's when compiling for one."""
-    return jax.sharding.Mesh(np.array(_case_types.devices(DEVICES)), ("d",))
-
-
 def _pmapped(body: Callable[..., jax.Array], *, sharded: bool = False) -> Callable[..., Any]:
     return pmapped(body, _WIDTH, sharded=sharded, devices=_case_types.devices(DEVICES))
 
-
-def replicated_args(
-    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
-) -> tuple[Any, Any]:
-    """(global indices per device, the whole input): what the user passed to pmap."""
-    local = _local_indices(scale, params, concrete)
-    x = _inputs(scale, concrete)
-    if not concrete:
-        return local, x
-    offsets = np.arange(DEVICES, dtype=np.int32)[:, None] * _rows_per_device(scale)
-    # Placed as pmap will use them (indices split, input on every device), so that a real
-    # run measures the program rather than a staging copy made at call time.
-    mesh = _mesh()
-    inds = jax.device_put(local + offsets, NamedSharding(mesh, P("d")))
-    return inds, jax.device_put(x, NamedSharding(mesh, P()))
-
-
-def sharded_pmap_args(
-    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
-) -> tuple[Any, Any]:
-    """(local indices, inputs split into a (devices, rows/devices, row) stack)."""
-    inds = _local_indices(scale, params, concrete)
-    shape = (DEVICES, _rows_per_device(scale), scale["row"])
-    if not concrete:
-        return inds, jax.ShapeDtypeStruct(shape, jnp.float32)
-    sharding = NamedSharding(_mesh(), P("d"))
-    return jax.device_put(inds, sharding), jax.device_put(
-        _inputs(scale, True).reshape(shape), sharding
-    )
-
-
-def sharded_jit_args(
-    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
-) -> tuple[Any, Any]:
-    """(local indices, the whole input), both sharded over devices along their first axis."""
-    sharding = NamedSharding(_mesh(), P("d"))
-    inds, x = _local_indices(scale, params, concrete), _inputs(scale, concrete)
-    if not concrete:
-        return (
-            jax.ShapeDtypeStruct(inds.shape, inds.dtype, sharding=sharding),
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        )
-    return jax.device_put(inds, sharding), jax.device_put(x, sharding)
-
-
-def serial_args(
-    scale: Mapping[str, Any], params: Mapping[str, Any], concrete: bool
-) -> tuple[Any, Any]:
-    """One device's share of the work: its indices and the whole input."""
-    if not concrete:
-        inds, x = replicated_args(scale, params, False)
-        return jax.ShapeDtypeStruct(inds.shape[1:], inds.dtype), x
-    return jnp.asarray(_local_indices(scale, params, True)[0]), jnp.asarray(_inputs(scale, True))
-
-
-def product_bytes(scale: Mapping[str, Any]) -> int:
-    """One iteration's (rows, rows) product in `expensive`."""
-    product: int = (scale["row"] // scale["width"]) ** 2 * 4
-    return product
-
-
-def floor_bytes(variant: str, scale: Mapping[str, Any], iterations: int, platform: str) -> int:
-    """Per device: the input it holds, its indices and output, and on CPU and GPU one
-    iteration's product.
-
-    XLA's TPU compiler fuses the product into the `tanh` and the sum that read it, tile by
-    tile: the product is never written to memory there, so the TPU floor leaves it out.
-    """
-    rows: int = scale["rows"] if variant in _REPLICATED else _rows_per_device(scale)
-    row: int = scale["row"]
-    inputs = rows * row * 4
-    indices = iterations * 4
-    output = 4
-    product = 0 if platform == "tpu" else product_bytes(scale)
-    return inputs + indices + output + product
-
-
-def _floor(
-    variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any], platform: str
-) -> int:
-    return floor_bytes(variant.name, scale, params["iterations"], platform)
-
-
-_REPLICATED = {"serial", "pmap-loop", "pmap-fori", "pmap-map", "pmap-vmap"}
 
 # On CPU, jaxlib 0.10's YNNPACK fusion swallows the matrix product into a fused kernel
 # whose scratch memory XLA's buffer assignment does not see. Switching it off makes the
@@ -245,7 +134,7 @@ CASE = Case(
             "baseline",
             "one device's share of the work, jit on a single device",
             lambda p: jax.jit(functools.partial(loop_sum, width=_WIDTH)),
-            args=serial_args,
+            args=_setup.serial_args,
         ),
         Variant(
             "pmap-loop",
@@ -277,20 +166,20 @@ CASE = Case(
             "fix",
             "pmap, input split by rows (in_axes=0), Python for loop",
             lambda p: _pmapped(loop_sum, sharded=True),
-            args=sharded_pmap_args,
+            args=_setup.sharded_pmap_args,
         ),
         Variant(
             "shard_map-fori",
             "fix",
             "recommended: jit + shard_map, input sharded by rows, lax.fori_loop",
-            lambda p: shard_mapped(fori_sum, _WIDTH, _mesh()),
-            args=sharded_jit_args,
+            lambda p: shard_mapped(fori_sum, _WIDTH, _setup.mesh()),
+            args=_setup.sharded_jit_args,
             since="jax.shard_map",
         ),
     ),
-    args=replicated_args,
+    args=_setup.replicated_args,
     grid=lambda scale: [{"iterations": k} for k in ITERATIONS if k <= scale["rows"] // DEVICES],
-    floor=_floor,
+    floor=_setup.floor,
     options=options,
     tolerance=1e-4,
     cause="in_axes=None copies the whole input to every device, and the Python loop "

@@ -19,6 +19,7 @@ from .. import _subprocess, _targets
 from .._case import CaseResult, measure_case
 from .._measure import MemoryReport, compile_fn, measure
 from .._render import fmt_bytes
+from ..cases._setup.pmap_loop import replicated_args, serial_args, sharded_pmap_args
 from ..cases.pmap_loop import (
     _WIDTH,
     CASE,
@@ -27,9 +28,6 @@ from ..cases.pmap_loop import (
     fori_sum,
     loop_sum,
     options,
-    replicated_args,
-    serial_args,
-    sharded_pmap_args,
 )
 from ._claims import Claim, verdict
 
