@@ -13,6 +13,7 @@ import runbook
 from runbook import _targets
 from runbook._program import Program
 from runbook.cases import attention_scores as attn
+from runbook.cases._setup.attention_scores import cudnn_unavailable, floor_bytes
 from runbook.cases.attention_scores import CASE
 
 TARGETS = [None, "h100", "v5e"]  # the ones the page shows
@@ -35,7 +36,7 @@ def test_the_floor_holds_for_every_variant_on_every_target_shown(seed):
     result = seed[0]
     assert result.reports
     for r in result.reports:
-        assert r.lower_bound == attn.floor_bytes(CASE.scales["seed"], r.params)
+        assert r.lower_bound == floor_bytes(CASE.scales["seed"], r.params)
         assert r.total >= r.lower_bound, r.name
 
 
@@ -68,7 +69,7 @@ def test_the_recommended_fix_needs_far_less_and_sits_near_its_floor(seed):
 def test_cudnn_compiles_for_a_gpu_and_is_not_applicable_elsewhere(seed):
     result = seed[0]
     platform = result.target.platform if result.target else jax.default_backend()
-    reason = attn.cudnn_unavailable(platform)
+    reason = cudnn_unavailable(platform)
     if reason is None:
         assert result.one("cudnn").temp < 0.05 * result.one("xla").temp
     else:

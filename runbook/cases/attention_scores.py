@@ -11,16 +11,14 @@ of `jax.nn.dot_product_attention`; every function here is causal.
 from __future__ import annotations
 
 import functools
-import importlib.util
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from .._case_types import Case, Params, Variant
+from .._case_types import Case
+from ._setup import attention_scores as _setup
 
 BLOCK = 128  # tokens per block of `attention_blockwise` (queries and keys alike)
 CHUNK = 512  # queries per chunk of `attention_chunked`
@@ -226,88 +224,25 @@ def attention_backward(
     return backward
 
 
-def _shape(scale: Mapping[str, Any], params: Params) -> tuple[int, int, int, int]:
-    return (scale["batch"], params["tokens"], scale["heads"], scale["dim"])
-
-
-def _args(scale: Mapping[str, Any], params: Params, concrete: bool) -> tuple[Any, ...]:
-    shape = _shape(scale, params)
-    if not concrete:
-        return tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for _ in range(4))
-    rng = np.random.default_rng(0)
-    return tuple(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4))
-
-
-def floor_bytes(scale: Mapping[str, Any], params: Params) -> int:
-    """What the backward pass must hold at the least: its inputs q, k, v and d_out, and its
-    outputs, the three gradients: seven bf16 arrays of the inputs' shape."""
-    b, t, h, d = _shape(scale, params)
-    return 7 * b * t * h * d * 2
-
-
-def _floor(variant: Variant, scale: Mapping[str, Any], params: Params) -> int:
-    return floor_bytes(scale, params)
-
-
-def cudnn_unavailable(platform: str) -> str | None:
-    """Why `attention_cudnn` cannot compile for `platform` here; None when it can."""
-    if platform not in ("cuda", "gpu"):
-        return f"cuDNN attention compiles for NVIDIA GPUs only, not {platform.upper()}"
-    if importlib.util.find_spec("nvidia.cudnn") is None:
-        return "cuDNN not found: install nvidia-cudnn-cu12"
-    return None
-
-
-def _gradient_of(
-    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
-) -> Callable[[Params], Callable[..., Any]]:
-    return lambda p: jax.jit(attention_backward(attend))
-
-
 CASE = Case(
     name="attention-scores",
     title="Attention materialises the T x T score matrix, and its gradient keeps it",
     symptom="the gradient of an attention layer runs out of memory as the sequence grows, "
     "quadratically in its length",
     devices=1,
-    scales={
-        "seed": {"batch": 1, "heads": 8, "dim": 64, "tokens": (8192,)},
-        "small": {"batch": 1, "heads": 2, "dim": 16, "tokens": (1024,)},
-        "tiny": {"batch": 1, "heads": 2, "dim": 8, "tokens": (512,)},
-    },
-    variants=(
-        Variant(
-            "xla",
-            "reproduction",
-            'jax.nn.dot_product_attention(implementation="xla"), causal',
-            _gradient_of(attention),
-            since="jax.nn.dot_product_attention(implementation=)",
-        ),
-        Variant(
-            "chunked",
-            "fix",
-            f"queries in chunks of {CHUNK} under jax.checkpoint (attention_chunked)",
-            _gradient_of(attention_chunked),
-        ),
-        Variant(
-            "cudnn",
-            "fix",
-            'jax.nn.dot_product_attention(implementation="cudnn"), NVIDIA GPUs only',
-            _gradient_of(attention_cudnn),
-            since="jax.nn.dot_product_attention(implementation=)",
-            unavailable=cudnn_unavailable,
-        ),
-        Variant(
-            "blockwise",
-            "fix",
-            f"recommended: blocks of {BLOCK} queries and keys, with its own gradient "
-            "(attention_blockwise)",
-            _gradient_of(attention_blockwise),
-        ),
+    scales=_setup.SCALES,  # batch, heads, head_dim and the tokens measured at each scale
+    variants=_setup.variants(  # each one's attention_backward; xla reproduces, the others fix
+        attention_backward,
+        xla=attention,
+        chunked=attention_chunked,
+        cudnn=attention_cudnn,
+        blockwise=attention_blockwise,
+        chunk=CHUNK,
+        block=BLOCK,
     ),
-    args=_args,
+    args=_setup.args,
     grid=lambda s: [{"tokens": t} for t in s["tokens"]],
-    floor=_floor,
+    floor=_setup.floor,
     tolerance=0.05,
     runnable_scale="small",
     cause="the gradient keeps the T x T probabilities (or their gradient) of every head alive",

@@ -18,6 +18,7 @@ from .._errors import DoesNotFitError
 from .._measure import MemoryReport, measure
 from .._render import Table, fmt_bytes
 from ..cases import attention_scores as attn
+from ..cases._setup.attention_scores import cudnn_unavailable
 from ..cases.attention_scores import CASE
 from ._claims import Claim, verdict
 from ._pages import cited_reports_table
@@ -248,8 +249,7 @@ def claims(
             "cudnn-linear",
             TEXT["cudnn-linear"],
             "not reproducible here",
-            "cuDNN compiles for NVIDIA GPUs only: "
-            + (attn.cudnn_unavailable(_platform(target)) or ""),
+            "cuDNN compiles for NVIDIA GPUs only: " + (cudnn_unavailable(_platform(target)) or ""),
         )
     )
     return [
