@@ -17,6 +17,7 @@ import runbook
 from runbook import _targets
 from runbook._subprocess import child_env
 from runbook.cases import sharding_replicated as sr
+from runbook.cases._setup import sharding_replicated as sr_setup
 from runbook.cases.sharding_replicated import CASE
 from runbook.site import sharding_replicated as page
 
@@ -92,10 +93,10 @@ def test_the_same_result_check_passes_and_can_fail():
     # Another learning rate gives other parameters, told apart at the case's tolerance.
     size = CASE.scales[CASE.runnable_scale]
     layers, opt = sr.init(jax.random.key(0), size["layers"], size["width"])
-    x, y = sr._batch(size, True)
+    x, y = sr_setup.batch(size, True)
     new, _, _ = sr.train_step(layers, opt, x, y)
     far = [w - 10 * sr.LEARNING_RATE * (n - w) for w, n in zip(layers, new, strict=True)]
-    a, b = sr._as_stacked((new, None, 0.0))[0], sr._as_stacked((far, None, 0.0))[0]
+    a, b = sr_setup.as_stacked((new, None, 0.0))[0], sr_setup.as_stacked((far, None, 0.0))[0]
     assert float(abs(a - b).max() / (abs(b).max() + 1)) > CASE.tolerance
 
 

@@ -24,8 +24,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _case_types
 from .._case_types import Case, Params, Variant
+from ._setup import sharding_replicated as _setup
 
 DEVICES = 8
 AXIS = "fsdp"  # the mesh's one axis: the batch and (in the fixes) the parameters split on it
@@ -156,72 +156,7 @@ def init(key: jax.Array, layers: int, width: int) -> tuple[list[jax.Array], Any]
     return params, optimizer().init(params)
 
 
-# --- the case's inputs, per scale --------------------------------------------------------
-
-
-def _mesh() -> Mesh:
-    """The case's devices: this process's, or a target's when compiling for one."""
-    return Mesh(np.array(_case_types.devices(DEVICES)), (AXIS,))
-
-
-def _abstract(tree: Any, shardings: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
-    )
-
-
-def _state_shapes(scale: Mapping[str, Any], stacked: bool) -> tuple[Any, Any]:
-    layers, width = scale["layers"], scale["width"]
-    if stacked:
-        params: Any = jax.ShapeDtypeStruct((layers, width, width), jnp.float32)
-    else:
-        params = [jax.ShapeDtypeStruct((width, width), jnp.float32) for _ in range(layers)]
-    return params, jax.eval_shape(optimizer().init, params)
-
-
-def _batch(scale: Mapping[str, Any], concrete: bool) -> tuple[Any, Any]:
-    shape = (scale["batch"], scale["width"])
-    if not concrete:
-        return jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.float32)
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal(shape, dtype=np.float32)
-    return x, np.tanh(rng.standard_normal(shape, dtype=np.float32))
-
-
-def _args(place: Callable[[Mesh, Any], Any], stacked: bool) -> Callable[..., tuple[Any, ...]]:
-    def args(scale: Mapping[str, Any], params: Params, concrete: bool) -> tuple[Any, ...]:
-        mesh = _mesh()
-        data = NamedSharding(mesh, P(AXIS))
-        shapes = _state_shapes(scale, stacked)
-        shardings = tuple(place(mesh, s) for s in shapes)
-        x, y = _batch(scale, concrete)
-        if not concrete:
-            return (
-                *(_abstract(s, sh) for s, sh in zip(shapes, shardings, strict=True)),
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=data),
-                jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=data),
-            )
-        listed, opt_state = init(jax.random.key(0), scale["layers"], scale["width"])
-        layers: Any = listed
-        if stacked:
-            layers = jnp.stack(listed)
-            opt_state = optimizer().init(layers)
-        state = jax.device_put((layers, opt_state), shardings)
-        return (*state, jax.device_put(x, data), jax.device_put(y, data))
-
-    return args
-
-
-def _program(
-    step: Callable[..., Any], place: Callable[[Mesh, Any], Any], stacked: bool
-) -> Callable[[Params], Callable[..., Any]]:
-    def program(params: Params) -> Callable[..., Any]:
-        mesh = _mesh()
-        shapes = _state_shapes(params, stacked)
-        shardings = (place(mesh, shapes[0]), place(mesh, shapes[1]))
-        return jit_step(step, mesh, shardings)
-
-    return program
+# --- what a step must hold ---------------------------------------------------------------
 
 
 def state_bytes(scale: Mapping[str, Any]) -> int:
@@ -250,14 +185,13 @@ def _floor(variant: Variant, scale: Mapping[str, Any], params: Params) -> int:
     return floor_bytes(variant.name, scale)
 
 
-def _as_stacked(result: Any) -> Any:
-    """What the same-result check compares: new parameters stacked, and the loss."""
-    params, _, loss = result
-    return np.stack(params) if isinstance(params, list) else np.asarray(params), np.asarray(loss)
-
-
 _REPLICATED = {"replicated"}
 _SCANNED = {"fsdp-scan"}
+
+# the case's programs and inputs per scale: runbook/cases/_setup/sharding_replicated.py
+_inputs = _setup.Inputs(
+    devices=DEVICES, axis=AXIS, optimizer=optimizer, init=init, jit_step=jit_step
+)
 
 CASE = Case(
     name="sharding-replicated",
@@ -276,25 +210,25 @@ CASE = Case(
             "replicated",
             "reproduction",
             "parameters and Adam state whole on every device (P()), batch split",
-            _program(train_step, replicated, False),
-            args=_args(replicated, False),
+            _inputs.program(train_step, replicated, False),
+            args=_inputs.args(replicated, False),
         ),
         Variant(
             "fsdp",
             "fix",
             "parameters and Adam state split by rows (P('fsdp', None)), layers a Python list",
-            _program(train_step, fsdp, False),
-            args=_args(fsdp, False),
+            _inputs.program(train_step, fsdp, False),
+            args=_inputs.args(fsdp, False),
         ),
         Variant(
             "fsdp-scan",
             "fix",
             "recommended: split by rows, layers stacked and scanned with jax.checkpoint",
-            _program(scanned_train_step, fsdp, True),
-            args=_args(fsdp, True),
+            _inputs.program(scanned_train_step, fsdp, True),
+            args=_inputs.args(fsdp, True),
         ),
     ),
-    args=_args(replicated, False),
+    args=_inputs.args(replicated, False),
     grid=lambda s: [{"layers": s["layers"], "width": s["width"], "batch": s["batch"]}],
     floor=_floor,
     tolerance=1e-4,
@@ -302,5 +236,5 @@ CASE = Case(
     cause="every device holds the whole state; sharded, every layer's gathered weights are "
     "alive at once unless the layers run one at a time",
     recommended="fsdp-scan",
-    compare=_as_stacked,
+    compare=_setup.as_stacked,
 )
