@@ -200,3 +200,10 @@ def test_a_page_without_its_claims_breaks_the_protocol():
     page.claims = lambda *args, target=None, scale="seed": []  # type: ignore[attr-defined]
     assert isinstance(page, CasePage)
     assert not isinstance(page, CitedPage)
+
+
+@pytest.mark.parametrize("name", runbook.case_names())
+def test_a_case_module_stays_short_enough_to_read(name):
+    # what a reader copies, and its `CASE`; a long setup goes to runbook/cases/_setup/
+    lines = (PACKAGE / "cases" / f"{name.replace('-', '_')}.py").read_text().count("\n")
+    assert lines <= 250, f"{name}: {lines} lines"
