@@ -8,6 +8,9 @@ pages set to "always" prints "File offset incorrectly aligned for file-backed TH
 it goes to the process's stderr file descriptor, below Python, and all of it is expected
 here: a target compile needs neither a GPU nor a TPU, nor huge pages. We capture that
 descriptor while the plugin loads and write back every line that is not one of these.
+
+XLA's slow-folding alarm on that descriptor is read too, by `runbook.watch` and the
+constant-folding case's real runs: `warnings_in` counts it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,17 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+# XLA:CPU's alarm while it folds one constant for over a second (and over ten).
+WARNING = "Constant folding an instruction is taking"
+
+
+def warnings_in(text: str) -> int:
+    """How many times XLA's slow-folding alarm fired in `text` (its stderr): one line each,
+    the one that carries the log prefix (the alarm repeats the message unprefixed when the
+    operation ends)."""
+    return sum(1 for line in text.splitlines() if WARNING in line and "] " in line)
+
 
 EXPECTED = re.compile(
     r"cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"

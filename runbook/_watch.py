@@ -40,10 +40,10 @@ from ._errors import RunbookError
 from ._hlo import Shape
 from ._locator import one_line
 from ._program import Finding
+from ._quiet import WARNING, warnings_in
 from ._render import Table, fmt_bytes
 from ._watch_holders import frame_value, holder
 from ._watch_rules import Compile, Growth, StepRecord, Thresholds
-from .runs.constant_folding import WARNING, warnings_in
 
 __all__ = ["Compile", "Growth", "StepRecord", "Thresholds", "Watch", "watch"]
 
@@ -135,9 +135,9 @@ class _XlaLog:
     """XLA's C++ log while XLA compiles, read on its way to the terminal.
 
     XLA logs below Python, to the process's file descriptor 2; its slow-folding alarm
-    ("Constant folding an instruction is taking > 1s", `runbook.runs.constant_folding`'s
-    WARNING) is evidence that a slow compilation folds constants. While a compilation runs
-    (from JAX's "Finished jaxpr to MLIR" record to its "Finished XLA compilation" record)
+    ("Constant folding an instruction is taking > 1s", `runbook._quiet.WARNING`) is
+    evidence that a slow compilation folds constants. While a compilation runs (from JAX's
+    "Finished jaxpr to MLIR" record to its "Finished XLA compilation" record)
     the descriptor goes into a pipe, and a thread writes every byte on to where it went
     before as it comes, nothing held back, counting the alarms on the way. Compilations in
     several threads share one pipe.

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from .. import _subprocess
 from .._case_types import Variant
 from .._host import settle, status
-from .._quiet import start_backend
+from .._quiet import start_backend, warnings_in
 from ..cases.constant_folding import CASE
 
 # The figures a real run measures (`run_figures`); resident sets in bytes above the process
@@ -39,7 +39,6 @@ FIGURES = {
 # (`unfinished_count`), and its compile time is at least this.
 COMPILE_LIMIT_SECONDS = 45.0
 CALLS = 3
-WARNING = "Constant folding an instruction is taking"
 
 
 def reset_peak() -> None:
@@ -59,13 +58,6 @@ def _stderr_to(path: str) -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def warnings_in(text: str) -> int:
-    """How many times XLA's slow-folding alarm fired in `text` (its stderr): one line each,
-    the one that carries the log prefix (the alarm repeats the message unprefixed when the
-    operation ends)."""
-    return sum(1 for line in text.splitlines() if WARNING in line and "] " in line)
 
 
 def _run_figures_json(
