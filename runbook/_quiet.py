@@ -11,6 +11,11 @@ descriptor while the plugin loads and write back every line that is not one of t
 
 XLA's slow-folding alarm on that descriptor is read too, by `runbook.watch` and the
 constant-folding case's real runs: `warnings_in` counts it.
+
+A process that dies inside a capture (an XLA crash, an out-of-memory kill) never writes its
+captured lines back. Where ``RUNBOOK_STDERR_DIR`` names a folder (the site's build sets it)
+each capture goes to a file there, deleted when the capture ends: a crash leaves the last
+words behind for the build to show.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 # XLA:CPU's alarm while it folds one constant for over a second (and over ten).
@@ -53,6 +59,19 @@ OVERSIZE = re.compile(
 )
 
 
+KEEP_VAR = "RUNBOOK_STDERR_DIR"
+
+
+def _capture_file() -> Any:
+    """A file for one capture: anonymous, or named in `KEEP_VAR`'s folder where it is set."""
+    folder = os.environ.get(KEEP_VAR)
+    if not folder:
+        return tempfile.TemporaryFile(mode="w+b")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    prefix = f"stderr-{os.getpid()}-"
+    return tempfile.NamedTemporaryFile(mode="w+b", dir=folder, prefix=prefix, suffix=".log")
+
+
 class _Capture:
     """One capture of descriptor 2 shared by every context inside it, in any thread.
 
@@ -80,7 +99,7 @@ class _Capture:
             # notebook kernel sys.stderr.fileno() names a saved copy of the terminal's.
             sys.stderr.flush()
             self.saved = os.dup(2)
-            self.file = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 (closed by leave)
+            self.file = _capture_file()  # closed (and so deleted) by leave
             os.dup2(self.file.fileno(), 2)
 
     def leave(self) -> None:

@@ -1,5 +1,5 @@
 """Build the site as every build does (`nox -s docs`, Read the Docs): Sphinx, run again once
-only if a page's kernel could not bind its port.
+only if a page's kernel could not bind its port, or died.
 
     python docs/_tools/build_site.py OUTPUT_DIR
 
@@ -9,25 +9,38 @@ moment, can take one in between (jupyter/jupyter_client#487): the kernel dies at
 "Address already in use" and the build fails, though nothing was measured wrong. That
 failure, and no other, is built again once; what the first attempt measured is in the
 build's measurement cache and is not measured again.
+
+A kernel that dies while a page runs (nbclient's "Kernel died") is built again once too,
+after the build shows what is known of the death: the last words it wrote inside a capture
+of its C++ log (`runbook._quiet` keeps those in `STDERR_DIR` while a capture is open;
+otherwise they would die with it), and how much memory the machine had left. A page that
+kills its kernel every time fails the second build the same way.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SPHINX = ["-m", "sphinx", "-j", "auto", "-n", "-T", "-W", "--keep-going", "-b", "html", "docs"]
+# What a build prints when a page's kernel is lost: at start, to a port race; later, dead.
 PORT_TAKEN = "zmq.error.ZMQError: Address already in use"
+KERNEL_DIED = "DeadKernelError: Kernel died"
+STDERR_DIR = ROOT / "docs" / "_build" / "stderr"  # runbook._quiet.KEEP_VAR points here
 
 
-def build(output: str) -> tuple[int, bool]:
-    """Run Sphinx once, passing its output on: (exit status, whether a kernel lost a port)."""
-    port_taken = False
+def build(output: str) -> tuple[int, str | None]:
+    """Run Sphinx once, passing its output on: (exit status, the kernel loss it printed)."""
+    lost = None
+    shutil.rmtree(STDERR_DIR, ignore_errors=True)
     with subprocess.Popen(
         [sys.executable, *SPHINX, output],
         cwd=ROOT,
+        env={**os.environ, "RUNBOOK_STDERR_DIR": str(STDERR_DIR)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -36,8 +49,28 @@ def build(output: str) -> tuple[int, bool]:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
-            port_taken = port_taken or PORT_TAKEN in line
-    return proc.returncode, port_taken
+            lost = lost or next((s for s in (PORT_TAKEN, KERNEL_DIED) if s in line), None)
+    return proc.returncode, lost
+
+
+def last_words() -> str:
+    """What processes that died inside a capture of their C++ log had written there."""
+    found = []
+    for path in sorted(STDERR_DIR.glob("stderr-*.log")):
+        lines = path.read_text(errors="replace").strip().splitlines()[-20:]
+        found.append(f"--- {path.name} (pid {path.name.split('-')[1]}), its last lines:")
+        found.extend(lines or ["(nothing written)"])
+    return "\n".join(found) if found else "no process died inside a capture of its C++ log"
+
+
+def memory_left() -> str:
+    """The machine's memory now, from /proc/meminfo (Linux), in GiB."""
+    try:
+        info = dict(ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())
+    except OSError:
+        return "memory unknown"
+    gib = {k: int(info[k].split()[0]) / 2**20 for k in ("MemTotal", "MemAvailable") if k in info}
+    return ", ".join(f"{k} {v:.1f} GiB" for k, v in gib.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,11 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         sys.exit(__doc__)
     output = str(Path(args[0]).resolve())  # Sphinx runs from the repository's root
-    status, port_taken = build(output)
-    if status and port_taken:
+    status, lost = build(output)
+    if status and lost == PORT_TAKEN:
         print("build_site: a page's kernel found its port taken at start "
               "(jupyter/jupyter_client#487); building again", flush=True)  # fmt: skip
-        status, _ = build(output)
+        status, lost = build(output)
+    elif status and lost == KERNEL_DIED:
+        print(f"build_site: a page's kernel died ({memory_left()}); "
+              f"{last_words()}\nbuilding again", flush=True)  # fmt: skip
+        status, lost = build(output)
+    if status and lost == KERNEL_DIED:
+        print(f"build_site: a kernel died again ({memory_left()}); {last_words()}", flush=True)
     return status
 
 
