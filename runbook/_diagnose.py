@@ -434,8 +434,10 @@ def diagnose(
     how many bytes it accounts for, which buffers show it, and what to change.
 
     Args:
-        fn: a function, or a `jax.jit` / `jax.pmap` object.
-        *args: concrete arrays or `jax.ShapeDtypeStruct`s (nothing is allocated).
+        fn: a function, a `jax.jit` / `jax.pmap` object, an `equinox.filter_jit`
+            function, or a module called as one (equinox, flax NNX).
+        *args: concrete arrays or `jax.ShapeDtypeStruct`s (nothing is allocated), in any
+            pytrees; leaves that are not arrays are static, as `equinox.filter_jit` has it.
         target: compile for this device (a name from `runbook.targets()`) and say whether
             the program fits its usable memory.
         compiler_options: XLA options for the compilation. On CPU the diagnosis turns off

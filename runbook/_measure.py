@@ -8,6 +8,7 @@ import functools
 import hashlib
 import inspect
 import pathlib
+import re
 import tempfile
 import threading
 import time
@@ -20,6 +21,7 @@ import jax
 from . import _cache, _targets
 from ._buffers import Buffer, allocation_sizes, parse_dump
 from ._errors import DoesNotFitError, RunbookError
+from ._inputs import as_jax, quiet_donation
 from ._provenance import Provenance
 from ._quiet import start_backend
 
@@ -113,8 +115,6 @@ def _is_pmap(fn: Any) -> bool:
 
 
 def _lowerable(fn: Callable[..., Any]) -> Any:
-    if not callable(fn):
-        raise RunbookError(f"`fn` must be a callable, got {type(fn).__name__}.")
     # jax.jit / jax.pmap objects lower themselves; plain functions get a jit.
     return fn if hasattr(fn, "lower") else jax.jit(fn)
 
@@ -171,6 +171,10 @@ def _name(fn: Any) -> str:
     return str(getattr(fn, "__name__", type(fn).__name__))
 
 
+# What JAX says when a jit's shardings name devices other than its arguments'.
+_WRONG_DEVICES = re.compile(r"incompatible devices|does not match memory kind")
+
+
 def lower_fn(
     fn: Callable[..., Any],
     *args: Any,
@@ -178,12 +182,23 @@ def lower_fn(
     unusable: list[str] | None = None,
 ) -> Any:
     """Trace and lower `fn` for `args`, on `target`'s compile-only devices if given."""
+    name = _name(fn)
+    if unusable is None and quiet_donation(fn):
+        unusable = []  # collected, and so not shown
+    fn, args = as_jax(fn, args)  # modules, filter_jit functions, non-array leaves
     if target is not None:
         with _targets.compiling_for(target):
             placed = _targets.place(args, target, unsharded=not _is_pmap(fn))
-            return lower_fn(fn, *placed, unusable=unusable)
+            try:
+                return lower_fn(fn, *placed, unusable=unusable)
+            except RunbookError as e:  # a mesh or sharding built on this process's devices
+                if not _WRONG_DEVICES.search(str(e.__cause__)):
+                    raise
+                raise RunbookError(
+                    f"`{name}` is built on this process's devices, not on target {target.name!r}: "
+                    f"build its mesh and shardings on `runbook.target_devices({target.name!r}, n)`"
+                ) from e.__cause__
     lowerable = _lowerable(fn)
-    name = _name(fn)
     start_backend()
     try:
         with _collect_unusable(unusable):
@@ -217,7 +232,8 @@ def compile_lowered(
         ):  # e.g. a jax.pmap built without the target's devices
             raise RunbookError(
                 f"`{name}` compiled for {', '.join(sorted(platforms))}, "
-                f"not for target {t.name!r}: build it on `runbook.target_devices({t.name!r}, n)`"
+                f"not for target {t.name!r}: build its mesh and shardings on "
+                f"`runbook.target_devices({t.name!r}, n)`"
             )
         return compiled
     try:
@@ -261,8 +277,10 @@ def measure(
     """Compile `fn` for `args` and report its memory, allocating nothing.
 
     Args:
-        fn: a function, or a `jax.jit`/`jax.pmap` object.
-        *args: concrete arrays or `jax.ShapeDtypeStruct`s (pytrees of them are fine).
+        fn: a function, a `jax.jit`/`jax.pmap` object, an `equinox.filter_jit` function,
+            or a module called as one (equinox, flax NNX): its weights are inputs.
+        *args: concrete arrays or `jax.ShapeDtypeStruct`s, in any pytrees (modules too);
+            leaves that are not arrays (functions, strings, flags) are static.
         name: label for tables; defaults to the function's name.
         compiler_options: XLA options for this compilation only, e.g.
             ``{"xla_cpu_experimental_ynn_fusion_type": ""}``.

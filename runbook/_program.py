@@ -25,6 +25,7 @@ from . import _targets
 from ._buffers import Buffer, parse_dump
 from ._errors import RunbookError
 from ._hlo import Dump, Instruction, Shape, Value, read_dump
+from ._inputs import as_jax, quiet_donation
 from ._measure import YNN_OPTION, MemoryReport, _backend_caveats, _devices_used, compile_fn
 from ._provenance import Provenance
 from ._quiet import start_backend
@@ -214,12 +215,19 @@ class Program:
         measure_fixes: bool = True,
     ) -> Program:
         """Compile `fn` for `args` (abstract welcome) and read back XLA's dump."""
+        name = name or str(getattr(fn, "__name__", type(fn).__name__))
+        unusable: list[str] | None = [] if quiet_donation(fn) else None
+        fn, args = as_jax(fn, args)  # what is kept is what was compiled
         options = cpu_accounting_options() if target is None else {}
         options.update(compiler_options or {})
         with tempfile.TemporaryDirectory(prefix="runbook-diagnose-") as dump_dir:
             start = time.perf_counter()
             compiled = compile_fn(
-                fn, *args, compiler_options={**options, "xla_dump_to": dump_dir}, target=target
+                fn,
+                *args,
+                compiler_options={**options, "xla_dump_to": dump_dir},
+                target=target,
+                unusable=unusable,
             )
             seconds = time.perf_counter() - start
             stats = compiled.memory_analysis()
@@ -230,7 +238,7 @@ class Program:
             raise RunbookError(f"the {where} compiler reports no buffer assignment to diagnose.")
         devices = _devices_used(compiled)
         report = MemoryReport(
-            name=name or str(getattr(fn, "__name__", type(fn).__name__)),
+            name=name,
             argument=int(stats.argument_size_in_bytes),
             output=int(stats.output_size_in_bytes),
             temp=int(stats.temp_size_in_bytes),
