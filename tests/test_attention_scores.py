@@ -1,11 +1,12 @@
 """attention-scores: the bars on every target shown, cuDNN marked not applicable off GPU,
-the same-result check and that it can fail."""
+the same-result check and that it can fail, and the fixes' `scale` against plain attention."""
 
 from __future__ import annotations
 
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -96,3 +97,68 @@ def test_the_fixes_compute_the_same_gradients_and_the_check_can_fail():
         for a, b in zip(got, want, strict=True)
     )
     assert err > CASE.tolerance
+
+
+# `scale`: the fixes against plain attention (whole T x T scores) with the same scale, on
+# float32 arrays small enough for the reference, in blocks and chunks of 64 of 256 tokens.
+SHAPE = (1, 256, 2, 32)  # batch, tokens, heads, head_dim
+FIXES = {
+    "blockwise": lambda q, k, v, **kw: attn.attention_blockwise(q, k, v, block=64, **kw),
+    "chunked": lambda q, k, v, **kw: attn.attention_chunked(q, k, v, chunk=64, **kw),
+}
+SCALE_TOLERANCE = 1e-4  # of each array's largest magnitude; float32 gets within 1e-5
+
+
+def _plain_attention(q, k, v, scale):
+    t = q.shape[1]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _output_and_grads(attend, q, k, v, d_out):
+    """The output of `attend` and the gradients of q, k and v for `d_out`."""
+    out, vjp = jax.vjp(attend, q, k, v)
+    return [np.asarray(a) for a in (out, *vjp(d_out))]
+
+
+def _errors(got, want):
+    """Per array: the largest difference, over the largest magnitude of `want`."""
+    return [
+        float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(got, want, strict=True)
+    ]
+
+
+@pytest.fixture(scope="module")
+def qkvg():
+    rng = np.random.default_rng(0)
+    return tuple(jnp.asarray(rng.standard_normal(SHAPE), jnp.float32) for _ in range(4))
+
+
+@pytest.mark.parametrize("fix", FIXES)
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_a_fix_with_a_scale_matches_plain_attention_with_it(fix, scale, qkvg):
+    q, k, v, d_out = qkvg
+    if scale == 1.0:  # the model scaled q itself
+        q = q * SHAPE[-1] ** -0.5
+    want = _output_and_grads(lambda q, k, v: _plain_attention(q, k, v, scale), q, k, v, d_out)
+    got = _output_and_grads(lambda q, k, v: FIXES[fix](q, k, v, scale=scale), q, k, v, d_out)
+    assert max(_errors(got, want)) < SCALE_TOLERANCE
+    # It can fail: the default scale on the same inputs misses every array by far.
+    default = _output_and_grads(FIXES[fix], q, k, v, d_out)
+    assert min(_errors(default, want)) > 100 * SCALE_TOLERANCE
+
+
+@pytest.mark.parametrize("fix", FIXES)
+def test_a_fix_s_scale_none_is_its_default_one_over_sqrt_head_dim(fix, qkvg):
+    q, k, v, d_out = qkvg
+    default = _output_and_grads(FIXES[fix], q, k, v, d_out)
+    none = _output_and_grads(lambda q, k, v: FIXES[fix](q, k, v, scale=None), q, k, v, d_out)
+    sqrt = _output_and_grads(
+        lambda q, k, v: FIXES[fix](q, k, v, scale=SHAPE[-1] ** -0.5), q, k, v, d_out
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(none, default, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(none, sqrt, strict=True))
+    # It can fail: another scale (1.0, no scaling) changes every array.
+    one = _output_and_grads(lambda q, k, v: FIXES[fix](q, k, v, scale=1.0), q, k, v, d_out)
+    assert not any(np.allclose(a, b) for a, b in zip(none, one, strict=True))

@@ -5,8 +5,7 @@ needs the probabilities again, so XLA keeps them (or their gradients) alive at t
 size: memory quadratic in the sequence. Reports: jax-ml/jax PR #20145, google/flax#2858,
 and many diffusers / big_vision reports. The functions below are the reproduction and its
 fixes; copy the one you need. Inputs are ``(batch, tokens, heads, head_dim)``, the layout
-of `jax.nn.dot_product_attention`; every function here is causal.
-"""
+of `jax.nn.dot_product_attention`; every function here is causal."""
 
 from __future__ import annotations
 
@@ -34,21 +33,24 @@ def attention_cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = CHUNK) -> jax.Array:
+def attention_chunked(
+    q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = CHUNK, scale: float | None = None
+) -> jax.Array:
     """Queries in chunks, each under `jax.checkpoint` (Rabe & Staats, arXiv 2112.05682).
 
     `jax.lax.map` runs the chunks one after another; each makes ``chunk x T`` scores,
     and `jax.checkpoint` makes the gradient compute them again instead of keeping them.
-    The tokens must divide into chunks.
+    The tokens must divide into chunks; `scale` defaults to ``1 / sqrt(head_dim)``.
     """
     b, t, h, d = q.shape
+    scale = d**-0.5 if scale is None else scale
     cols = jnp.arange(t)
 
     def rows(start: jax.Array) -> jax.Array:
         qc = lax.dynamic_slice_in_dim(q, start, chunk, axis=1)
         s = jnp.einsum("bqhd,bkhd->bhqk", qc, k, preferred_element_type=jnp.float32)
         causal = cols[None, :] <= (start + jnp.arange(chunk))[:, None]
-        p = jax.nn.softmax(jnp.where(causal, s * d**-0.5, -jnp.inf), axis=-1)
+        p = jax.nn.softmax(jnp.where(causal, s * scale, -jnp.inf), axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
 
     out = lax.map(jax.checkpoint(rows), jnp.arange(0, t, chunk))  # (t // chunk, b, chunk, h, d)
@@ -57,10 +59,8 @@ def attention_chunked(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = CHU
 
 def _block(x: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
     """Block `i` (of `size` tokens) of one head of `x` ``(b, t, h, d)``: ``(b, size, d)``.
-
     One head at a time: its rows are contiguous, so a compiler multiplies the block as it
-    lies instead of transposing the whole of `x` into a heads-major copy first.
-    """
+    lies instead of transposing the whole of `x` into a heads-major copy first."""
     b, _, _, d = x.shape
     return lax.dynamic_slice(x, (0, i * size, head, 0), (b, size, 1, d))[:, :, 0]
 
@@ -79,18 +79,22 @@ def _put_row(x: jax.Array, row: jax.Array, i: jax.Array, head: jax.Array, size: 
     return lax.dynamic_update_slice(x, row[:, None].astype(x.dtype), (0, head, i * size))
 
 
-def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, size: int) -> jax.Array:
+def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, scale: float) -> jax.Array:
     """Block (i, j) of one head's scaled, causally masked scores, float32 ``(b, size, size)``."""
     s = jnp.einsum("bqd,bkd->bqk", qi, kj, preferred_element_type=jnp.float32)
+    size = qi.shape[1]
     rows, cols = i * size + jnp.arange(size), j * size + jnp.arange(size)
-    return jnp.where(cols[None, :] <= rows[:, None], s * qi.shape[-1] ** -0.5, -jnp.inf)
+    return jnp.where(cols[None, :] <= rows[:, None], s * scale, -jnp.inf)
 
 
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+def _forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, size: int, scale: float | None
+) -> tuple[jax.Array, jax.Array]:
     """The output and each row's log-sum-exp ``(b, h, t)``: for each head and block of
     queries, the blocks of keys at or before it (an online softmax), written in place."""
     b, t, h, d = q.shape
     n = t // size
+    scale = d**-0.5 if scale is None else scale
 
     def rows(at: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         out, lse = carry
@@ -99,7 +103,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, size: int) -> tuple[jax.A
 
         def step(j: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             m, total, pv = acc
-            s = _scores(qi, _block(k, j, head, size), i, j, size)
+            s = _scores(qi, _block(k, j, head, size), i, j, scale)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             fade = jnp.exp(m - m_new)
@@ -117,8 +121,10 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, size: int) -> tuple[jax.A
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def attention_blockwise(
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK, scale: float | None = None
+) -> jax.Array:
     """The fix for every target: blocks of queries and keys, with its own gradient.
 
     The forward pass keeps each row's log-sum-exp, not the scores. The gradient
@@ -126,31 +132,31 @@ def attention_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int = B
     where it needs it: one pass over the query blocks gives the gradient of `q`, another
     over the key blocks those of `k` and `v`, each summed per block in float32 and written
     in place into arrays of the inputs' layout. Nothing of size ``T x T`` exists, nor a
-    transposed copy of an input; the tokens must divide into blocks.
+    transposed copy of an input; the tokens must divide into blocks. `scale` multiplies the
+    scores: None (the default) for ``1 / sqrt(head_dim)``; 1.0 if q comes scaled already.
     """
-    return _forward(q, k, v, block)[0]
+    return _forward(q, k, v, block, scale)[0]
 
 
 def _blockwise_forward(
-    q: jax.Array, k: jax.Array, v: jax.Array, block: int
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int, scale: float | None
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    out, lse = _forward(q, k, v, block)
+    out, lse = _forward(q, k, v, block, scale)
     return out, (q, k, v, lse)
 
 
 def _blockwise_backward(
-    size: int, saved: tuple[jax.Array, ...], g: jax.Array
+    size: int, scale: float | None, saved: tuple[jax.Array, ...], g: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q, k, v, lse = saved
     b, t, h, d = q.shape
-    f32 = jnp.float32
-    n = t // size
+    f32, n = jnp.float32, t // size
+    scale = d**-0.5 if scale is None else scale
 
     def probs(
         qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, head: jax.Array
     ) -> jax.Array:
-        s = _scores(qi, kj, i, j, size)
-        return jnp.exp(s - _row(lse, i, head, size)[..., None])
+        return jnp.exp(_scores(qi, kj, i, j, scale) - _row(lse, i, head, size)[..., None])
 
     def query_pass(at: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         dq, delta = carry
@@ -173,10 +179,9 @@ def _blockwise_backward(
                                     preferred_element_type=f32)  # fmt: skip
 
         dqi = lax.fori_loop(0, i + 1, dq_step, jnp.zeros((b, size, d), f32))
-        return _put(dq, dqi * d**-0.5, i, head, size), _put_row(delta, di, i, head, size)
+        return _put(dq, dqi * scale, i, head, size), _put_row(delta, di, i, head, size)
 
-    init = (jnp.zeros_like(q), jnp.zeros((b, h, t), f32))
-    dq, delta = lax.fori_loop(0, h * n, query_pass, init)
+    dq, delta = lax.fori_loop(0, h * n, query_pass, (jnp.zeros_like(q), jnp.zeros((b, h, t), f32)))
 
     def key_pass(at: jax.Array, grads: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         dk, dv = grads
@@ -189,15 +194,13 @@ def _blockwise_backward(
             p = probs(qi, kj, i, j, head)
             dp = jnp.einsum("bqd,bkd->bqk", gi, vj, preferred_element_type=f32)
             ds = p * (dp - _row(delta, i, head, size)[..., None])
-            dvj = dvj + jnp.einsum("bqk,bqd->bkd", p.astype(g.dtype), gi,
-                                   preferred_element_type=f32)  # fmt: skip
-            dkj = dkj + jnp.einsum("bqk,bqd->bkd", ds.astype(q.dtype), qi,
-                                   preferred_element_type=f32)  # fmt: skip
+            dvj += jnp.einsum("bqk,bqd->bkd", p.astype(g.dtype), gi, preferred_element_type=f32)
+            dkj += jnp.einsum("bqk,bqd->bkd", ds.astype(q.dtype), qi, preferred_element_type=f32)
             return dkj, dvj
 
         zeros = jnp.zeros((b, size, d), f32)
         dkj, dvj = lax.fori_loop(j, n, step, (zeros, zeros))
-        return _put(dk, dkj * d**-0.5, j, head, size), _put(dv, dvj, j, head, size)
+        return _put(dk, dkj * scale, j, head, size), _put(dv, dvj, j, head, size)
 
     dk, dv = lax.fori_loop(0, h * n, key_pass, (jnp.zeros_like(k), jnp.zeros_like(v)))
     return dq, dk, dv
@@ -209,11 +212,8 @@ attention_blockwise.defvjp(_blockwise_forward, _blockwise_backward)
 def attention_backward(
     attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
 ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
-    """The backward pass of `attend`: ``(q, k, v, d_out)`` to the gradients of q, k, v.
-
-    `d_out`, the gradient of the loss with respect to the attention's output, is what the
-    layers above hand down in a model.
-    """
+    """The backward pass of `attend`: ``(q, k, v, d_out)`` to the gradients of q, k, v; `d_out`,
+    the gradient of the loss with respect to the output, is what the layers above hand down."""
 
     def backward(
         q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array
