@@ -17,7 +17,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
@@ -29,6 +29,8 @@ from ._inputs import as_jax, quiet_donation
 from ._measure import YNN_OPTION, MemoryReport, _backend_caveats, _devices_used, compile_fn
 from ._provenance import Provenance
 from ._quiet import start_backend
+
+_T = TypeVar("_T")
 
 SITE_FIX = "cases/{case}.html#fix"
 # Instructions whose called computation's parameters are the instruction's operands.
@@ -203,6 +205,14 @@ class Program:
         self.target, self.options = target, dict(options)
         self.devices = _devices_used(compiled)
         self.parameters = self._parameters(compiled)
+        self._shared: dict[Callable[[Program], Any], Any] = {}
+
+    def shared(self, analysis: Callable[[Program], _T]) -> _T:
+        """`analysis(self)`, computed once: a detector and its near-miss read the same."""
+        if analysis not in self._shared:
+            self._shared[analysis] = analysis(self)
+        result: _T = self._shared[analysis]
+        return result
 
     @classmethod
     def compile(

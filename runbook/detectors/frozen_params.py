@@ -19,6 +19,7 @@ gradient-fed state of their shape.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from .._buffers import Buffer
 from .._hlo import Instruction, Value
@@ -92,9 +93,15 @@ def _needed_in(program: Program, computation: str) -> tuple[set[str], list[Instr
     return _needed_from(program, [root] if root is not None else [])
 
 
-def _needed_from(program: Program, start: list[Instruction]) -> tuple[set[str], list[Instruction]]:
+def _needed_from(
+    program: Program,
+    start: list[Instruction],
+    stop: Callable[[Instruction], bool] | None = None,
+) -> tuple[set[str], list[Instruction]]:
     """What `start` needs (themselves included), products with zero aside. One result of a
-    multi-output fusion needs only what its part of the fusion reads."""
+    multi-output fusion needs only what its part of the fusion reads. With `stop`, the walk
+    ends at the first instruction past `start` that `stop` accepts (it is in the set)."""
+    starts = {i.name for i in start}
     needed: set[str] = set()
     done: set[tuple[str, int | None]] = set()
     zeroing: list[Instruction] = []
@@ -105,6 +112,8 @@ def _needed_from(program: Program, start: list[Instruction]) -> tuple[set[str], 
             continue
         done.add((inst.name, element))
         needed.add(inst.name)
+        if stop is not None and inst.name not in starts and stop(inst):
+            break
         operands = [program.module.get(o) for o in inst.operands]
         if inst.opcode == "multiply" and len(operands) == 2:
             zero = [k for k, o in enumerate(operands) if _is_zero(program, o)]
@@ -121,9 +130,20 @@ def _needed_from(program: Program, start: list[Instruction]) -> tuple[set[str], 
     return needed, zeroing
 
 
+def _fusion_table(program: Program) -> dict[tuple[str, int | None], set[int]]:
+    return {}
+
+
 def _fusion_inputs(program: Program, computation: str, element: int | None = None) -> set[int]:
     """The parameters of a fused computation its root (or element `element` of a tuple
-    root) needs, products with zero aside."""
+    root) needs, products with zero aside (once per program: every walk asks again)."""
+    table = program.shared(_fusion_table)
+    if (computation, element) not in table:
+        table[computation, element] = _read_fusion_inputs(program, computation, element)
+    return table[computation, element]
+
+
+def _read_fusion_inputs(program: Program, computation: str, element: int | None) -> set[int]:
     root = program.module.root(computation)
     if root is not None and element is not None and root.opcode == "tuple":
         part = program.module.get(root.operands[element]) if element < len(root.operands) else None
@@ -238,7 +258,8 @@ def _unchanged(program: Program, inst: Instruction) -> Parameter | None:
     param = entry_parameter(program, inst)
     if param is not None:
         return param
-    needed, _ = _needed_from(program, [inst])
+    # Anything computed on the way means it is not; most outputs show that a step away.
+    needed, _ = _needed_from(program, [inst], stop=_computed)
     scalars = _scalars(program)
     found = [
         i
@@ -250,9 +271,7 @@ def _unchanged(program: Program, inst: Instruction) -> Parameter | None:
     computed = [
         i
         for i in program.module.entry_instructions
-        if i.name in needed
-        and i.name != inst.name
-        and i.opcode not in ("parameter", "constant", "broadcast", *_THROUGH)
+        if i.name in needed and i.name != inst.name and _computed(i)
     ]
     if computed:
         return None  # computed from more than that input: not the input plus zero
@@ -260,6 +279,10 @@ def _unchanged(program: Program, inst: Instruction) -> Parameter | None:
         return None  # computed from that input alone: an update, not a product with zero
     number = found[0].parameter_number
     return next((p for p in program.parameters if p.number == number), None)
+
+
+def _computed(inst: Instruction) -> bool:
+    return inst.opcode not in ("parameter", "constant", "broadcast", *_THROUGH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +337,7 @@ def _see(program: Program) -> _Seen:
 def detect(program: Program) -> list[Finding]:
     if not program.has_backward:
         return []  # zeros and untouched state mean frozen parameters only beside a gradient
-    seen = _see(program)
+    seen = program.shared(_see)  # detect and near_miss read it once
     if seen.bytes < MIN_SHARE * program.total or not seen.bytes:
         return []
     parts = []
@@ -367,7 +390,7 @@ def near_miss(program: Program) -> NearMiss | None:
     """Frozen-parameter evidence below the threshold, or outside a gradient program."""
     if not program.has_backward:
         return None  # without a gradient, nothing here is about frozen parameters
-    seen = _see(program)
+    seen = program.shared(_see)  # detect and near_miss read it once
     if not seen.bytes or seen.bytes >= MIN_SHARE * program.total:
         return None
     reason = (
