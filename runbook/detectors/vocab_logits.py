@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .._hlo import Shape
+from .._hlo import Instruction, Shape
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 
@@ -24,35 +24,66 @@ CASE = "vocab-logits"
 def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
-        "an exponential outside any loop over an array whose last axis is the larger side V of a "
-        "matrix input and which is larger than that matrix; every tokens x V array outside loops "
-        f"counts, reported at {MIN_SHARE:.0%} of the program's total live at once"
+        "a product (outside any loop) with a matrix input, larger than the matrix, whose result "
+        "carries a side V of the matrix (its vocabulary), and an exponential over a last "
+        "axis V of that many elements (a softmax of those logits); every tokens x V array "
+        f"outside loops counts, reported at {MIN_SHARE:.0%} of the program's total live at once"
     )
 
 
-def _vocabularies(program: Program) -> dict[int, int]:
-    """Vocabulary size -> the most elements of a matrix input with it as its larger side."""
-    found: dict[int, int] = {}
-    for p in program.parameters:
-        dims = p.shape.dims
-        if len(dims) == 2 and max(dims) > min(dims):
-            found[max(dims)] = max(found.get(max(dims), 0), math.prod(dims))
+# What moves or re-types a matrix on its way from the input to its product: a cast to
+# bfloat16, a transpose, a copy, the all-gather of a sharded weight.
+_MOVES = ("bitcast", "copy", "reshape", "convert", "transpose", "all-gather")
+_PRODUCTS = ("dot", "convolution")
+
+
+def _matrix_input(program: Program, inst: Instruction | None) -> Shape | None:
+    """The shape of the two-axis program input `inst` is, through moves, or None."""
+    seen: set[str] = set()
+    while inst is not None and inst.name not in seen:
+        seen.add(inst.name)
+        inst = program.outside(inst)
+        if inst.opcode == "parameter":
+            entry = inst.computation == program.module.entry
+            return inst.shape if entry and len(inst.shape.dims) == 2 else None
+        if inst.opcode == "fusion" and inst.calls:  # a fusion that only moves its operand
+            root = program.module.root(inst.calls[0])
+            inst = root if root is not None and root.opcode in (*_MOVES, "parameter") else None
+        elif inst.opcode in _MOVES and inst.operands:
+            inst = program.operand(inst, 0)
+        else:
+            return None
+    return None
+
+
+def _logits(program: Program) -> set[tuple[int, int]]:
+    """(V, elements) of each product with a matrix input, larger than the matrix, whose
+    result has a side V of the matrix, outside loops: logits, seen by where they come from."""
+    found = set()
+    for inst in program.module.instructions.values():
+        if inst.opcode not in _PRODUCTS or len(inst.operands) != 2 or program.in_loop(inst):
+            continue
+        dims = inst.shape.dims
+        elements = math.prod(dims)
+        for k in range(2):  # two computed factors (attention's q and k) give nothing
+            matrix = _matrix_input(program, program.operand(inst, k))
+            if matrix is None or elements <= math.prod(matrix.dims):
+                continue
+            found |= {(v, elements) for v in matrix.dims if dims.count(v) == 1}
     return found
 
 
 def detect(program: Program) -> list[Finding]:
-    vocabularies = _vocabularies(program)
-    if not vocabularies:
+    logits = _logits(program)
+    if not logits:
         return []
-    # A softmax over the vocabulary: an exponential of an array whose last axis is a
-    # vocabulary, larger than the matrix (more tokens than hidden units), outside any loop.
+    # Their softmax: an exponential over a last axis V of as many elements, outside loops.
     softmax = set()
     for inst in program.module.instructions.values():
         dims = inst.shape.dims
         if inst.opcode != "exponential" or not dims or program.in_loop(inst):
             continue
-        matrix = vocabularies.get(dims[-1])
-        if matrix is not None and math.prod(dims) > matrix:
+        if (dims[-1], math.prod(dims)) in logits:
             softmax.add((dims[-1], math.prod(dims)))
     out = []
     taken: set[tuple[str, str]] = set()
@@ -86,9 +117,9 @@ def detect(program: Program) -> list[Finding]:
                 "under lax.scan with each chunk checkpointed, so that one chunk's logits exist "
                 "at a time",
                 copy="runbook.cases.vocab_logits.loss_vocab_tiles",
-                detail=f"{len(chosen)} arrays of {elements // vocab:,} tokens x {vocab:,} "
-                f"(the larger side of a matrix input) outside any loop, {fmt_bytes(nbytes)} "
-                "live at once, around a softmax over the vocabulary.",
+                detail=f"{len(chosen)} arrays of {elements // vocab:,} tokens x {vocab:,} (the "
+                "side of the matrix input they are a product with) outside any loop, "
+                f"{fmt_bytes(nbytes)} live at once, around a softmax over the vocabulary.",
             )
         )
     return out

@@ -23,7 +23,6 @@ FALSE_ALARMS: dict[str, dict[str, str]] = {
     "gram-per-group": {
         "attention-scores": "exp of a Gram matrix (N x N from an N x d input) has the shape "
         "and the exponential of attention scores",
-        "vocab-logits": "the same Gram matrix's last axis is the larger side of an input",
     },
     "remat-blocks-params-in-carry": {
         "pmap-loop": "jnp.split copies the four blocks' inputs, all live at once and made by "
