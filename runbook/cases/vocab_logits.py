@@ -9,16 +9,14 @@ functions below are the reproduction and its fixes; copy the one you need.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.typing import DTypeLike
 
-from .._case_types import Case, Variant
+from .._case_types import Case
+from ._setup import vocab_logits as _setup
 
 CHUNKS = 32  # the fixes split the tokens, or the vocabulary, into this many chunks
 
@@ -76,128 +74,152 @@ def loss_token_chunks(
     return total
 
 
-def _vocab_slice(w: jax.Array, i: jax.Array, size: int) -> jax.Array:
-    return lax.dynamic_slice_in_dim(w, i * size, size, axis=1)
+def _slice_size(v: int, chunks: object) -> int:
+    """Columns per slice: `chunks` slices cover `v`, the last overlapping the one before."""
+    if not (isinstance(chunks, int) and 0 < chunks <= v):
+        raise ValueError(f"`chunks` ({chunks}) must be an int from 1 to the vocabulary ({v})")
+    return -(-v // chunks)
+
+
+def _start(i: jax.Array, size: int, v: int) -> jax.Array:
+    """Where vocabulary slice `i` starts: a ragged last slice ends at the vocabulary's end."""
+    return i * size if v % size == 0 else jnp.minimum(i * size, v - size)
+
+
+def _vocab_slice(x: jax.Array, i: jax.Array, size: int, axis: int = 1) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, _start(i, size, x.shape[axis]), size, axis=axis)
+
+
+def _put(x: jax.Array, part: jax.Array, i: jax.Array, size: int, axis: int = 1) -> jax.Array:
+    """`x` with slice `i` set to `part`, or, where the last slice overlaps, added to it."""
+    if x.shape[axis] % size:
+        part = part + _vocab_slice(x, i, size, axis)
+    return lax.dynamic_update_slice_in_dim(x, part, _start(i, size, x.shape[axis]), axis=axis)
+
+
+def _fresh(i: jax.Array, size: int, v: int) -> jax.Array:
+    """The columns of slice `i` that no earlier slice holds (all but in a ragged last one)."""
+    return _start(i, size, v) + jnp.arange(size) >= i * size
+
+
+def _tile(
+    h: jax.Array, w: jax.Array, bias: jax.Array | None, i: jax.Array, size: int
+) -> tuple[jax.Array, jax.Array]:
+    """Slice `i` of `w` and its float32 logits; those of an earlier slice's columns -inf."""
+    w_slice = _vocab_slice(w, i, size)
+    logits = (h @ w_slice).astype(jnp.float32)
+    if bias is not None:
+        logits = logits + _vocab_slice(bias, i, size, 0).astype(jnp.float32)
+    if w.shape[1] % size:
+        logits = jnp.where(_fresh(i, size, w.shape[1]), logits, -jnp.inf)
+    return w_slice, logits
 
 
 def _label_logits(
-    logits: jax.Array, labels: jax.Array, i: jax.Array, size: int
+    logits: jax.Array, labels: jax.Array, i: jax.Array, size: int, v: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each token's own logit if its label falls in vocabulary slice `i`, else 0."""
-    local = labels - i * size
+    local = labels - _start(i, size, v)
     inside = (local >= 0) & (local < size)
+    if v % size:
+        inside = inside & (labels >= i * size)
     picked = jnp.take_along_axis(logits, jnp.clip(local, 0, size - 1)[:, None], axis=-1)[:, 0]
     return jnp.where(inside, picked, 0.0), local, inside
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def loss_vocab_tiles(
-    h: jax.Array, w: jax.Array, labels: jax.Array, chunks: int = CHUNKS
+    h: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    weights: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    label_smoothing: float = 0.0,
+    chunks: int = CHUNKS,
 ) -> jax.Array:
     """Fix (recommended): the loss a slice of the vocabulary at a time, with its own gradient.
 
     The forward pass keeps a running log-sum-exp per token; the backward pass recomputes
     each slice's logits and writes that slice of the unembedding's gradient directly, so
-    neither pass holds more than one ``tokens x vocabulary / chunks`` array.
+    neither pass holds more than one ``tokens x vocabulary / chunks`` array. Any vocabulary
+    size: a ragged last slice overlaps the one before and skips their shared columns.
+    Optional: `weights` ``(tokens,)`` make the loss a weighted sum (give padding and
+    ignore-index labels a weight of 0), `bias` ``(vocabulary,)`` is added to the logits, and
+    `label_smoothing` ε (a Python float) mixes ε of a uniform target into the one-hot one.
     """
-    return _vocab_tiles_forward(h, w, labels, chunks)[0]
+    return _vocab_tiles_forward(h, w, labels, weights, bias, label_smoothing, chunks)[0]
+
+
+Residuals = tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any, Any, Any]
 
 
 def _vocab_tiles_forward(
-    h: jax.Array, w: jax.Array, labels: jax.Array, chunks: int
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
-    n, size = h.shape[0], w.shape[1] // chunks
-    if w.shape[1] % chunks:
-        raise ValueError(f"`chunks` ({chunks}) must divide the vocabulary ({w.shape[1]})")
+    h: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    weights: jax.Array | None,
+    bias: jax.Array | None,
+    label_smoothing: float,
+    chunks: int,
+) -> tuple[jax.Array, Residuals]:
+    n, v = h.shape[0], w.shape[1]
+    size = _slice_size(v, chunks)
 
-    def body(
-        carry: tuple[jax.Array, jax.Array, jax.Array], i: jax.Array
-    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
-        top, total, picked = carry
-        logits = (h @ _vocab_slice(w, i, size)).astype(jnp.float32)
+    def body(carry: tuple[Any, ...], i: jax.Array) -> tuple[tuple[Any, ...], None]:
+        top, total, picked, logit_sum = carry
+        _, logits = _tile(h, w, bias, i, size)
         new_top = jnp.maximum(top, logits.max(axis=-1))
         total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[:, None]).sum(-1)
-        return (new_top, total, picked + _label_logits(logits, labels, i, size)[0]), None
+        picked = picked + _label_logits(logits, labels, i, size, v)[0]
+        if label_smoothing:
+            logit_sum += jnp.where(_fresh(i, size, v), logits, 0.0).sum(-1)
+        return (new_top, total, picked, logit_sum), None
 
-    start = (jnp.full((n,), -jnp.inf), jnp.zeros((n,)), jnp.zeros((n,)))
-    (top, total, picked), _ = lax.scan(body, start, jnp.arange(chunks))
+    smooth: Any = jnp.zeros((n,)) if label_smoothing else None
+    start = (jnp.full((n,), -jnp.inf), jnp.zeros((n,)), jnp.zeros((n,)), smooth)
+    (top, total, picked, logit_sum), _ = lax.scan(body, start, jnp.arange(-(-v // size)))
     log_sum_exp = top + jnp.log(total)
-    return jnp.sum(log_sum_exp - picked), (h, w, labels, log_sum_exp)
+    if label_smoothing:
+        picked = (1 - label_smoothing) * picked + label_smoothing / v * logit_sum
+    token_loss = log_sum_exp - picked
+    if weights is None:
+        return jnp.sum(token_loss), (h, w, labels, log_sum_exp, None, bias, None)
+    return jnp.sum(weights * token_loss), (h, w, labels, log_sum_exp, weights, bias, token_loss)
 
 
 def _vocab_tiles_backward(
-    chunks: int,
-    residuals: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
-    cotangent: jax.Array,
-) -> tuple[jax.Array, jax.Array, None]:
-    h, w, labels, log_sum_exp = residuals
-    size = w.shape[1] // chunks
+    label_smoothing: float, chunks: int, residuals: Residuals, cotangent: jax.Array
+) -> tuple[Any, ...]:
+    h, w, labels, log_sum_exp, weights, bias, token_loss = residuals
+    v = w.shape[1]
+    size = _slice_size(v, chunks)
+    scale = cotangent if weights is None else (cotangent * weights)[:, None]
 
-    def body(
-        carry: tuple[jax.Array, jax.Array], i: jax.Array
-    ) -> tuple[tuple[jax.Array, jax.Array], None]:
-        dh, dw = carry
-        w_slice = _vocab_slice(w, i, size)
-        logits = (h @ w_slice).astype(jnp.float32)
-        _, local, inside = _label_logits(logits, labels, i, size)
+    def body(carry: tuple[Any, ...], i: jax.Array) -> tuple[tuple[Any, ...], None]:
+        dh, dw, dbias = carry
+        w_slice, logits = _tile(h, w, bias, i, size)
+        _, local, inside = _label_logits(logits, labels, i, size, v)
         probs = jnp.exp(logits - log_sum_exp[:, None])
         is_label = (jnp.arange(size)[None, :] == local[:, None]) & inside[:, None]
-        g = (cotangent * (probs - is_label)).astype(h.dtype)
+        target = is_label  # smoothed: 1 - ε on the label, plus ε / v on every column
+        if label_smoothing:
+            smooth = (1 - label_smoothing) * is_label + label_smoothing / v
+            target = jnp.where(_fresh(i, size, v), smooth, 0.0)
+        g32 = scale * (probs - target)
+        g = g32.astype(h.dtype)
         dh = dh + g @ w_slice.T
-        dw = lax.dynamic_update_slice_in_dim(dw, h.T @ g, i * size, axis=1)
-        return (dh, dw), None
+        dw = _put(dw, h.T @ g, i, size)
+        if bias is not None:
+            dbias = _put(dbias, g32.sum(0).astype(bias.dtype), i, size, 0)
+        return (dh, dw, dbias), None
 
-    (dh, dw), _ = lax.scan(body, (jnp.zeros_like(h), jnp.zeros_like(w)), jnp.arange(chunks))
-    return dh, dw, None
+    zeros = (jnp.zeros_like(h), jnp.zeros_like(w), None if bias is None else jnp.zeros_like(bias))
+    (dh, dw, dbias), _ = lax.scan(body, zeros, jnp.arange(-(-v // size)))
+    dweights = None if weights is None else (cotangent * token_loss).astype(weights.dtype)
+    return dh, dw, None, dweights, dbias
 
 
 loss_vocab_tiles.defvjp(_vocab_tiles_forward, _vocab_tiles_backward)
-
-
-def _grad(loss: Callable[..., jax.Array]) -> Callable[..., tuple[Any, Any]]:
-    return jax.value_and_grad(loss, argnums=(0, 1))
-
-
-def _args(
-    scale: Mapping[str, Any],
-    params: Mapping[str, Any],
-    concrete: bool,
-    dtype: DTypeLike = jnp.float32,
-) -> (
-    tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]
-    | tuple[jax.Array, jax.Array, jax.Array]
-):
-    n, d, v = params["tokens"], scale["hidden"], scale["vocab"]
-    if not concrete:
-        return (
-            jax.ShapeDtypeStruct((n, d), dtype),
-            jax.ShapeDtypeStruct((d, v), dtype),
-            jax.ShapeDtypeStruct((n,), jnp.int32),
-        )
-    rng = np.random.default_rng(0)
-    h = rng.standard_normal((n, d), dtype=np.float32)
-    w = rng.standard_normal((d, v), dtype=np.float32) / np.sqrt(d)
-    labels = rng.integers(0, v, size=n).astype(np.int32)
-    return jnp.asarray(h, dtype), jnp.asarray(w, dtype), jnp.asarray(labels)
-
-
-def chunk_elements(variant: str, scale: Mapping[str, Any], tokens: int) -> int:
-    """Elements of the largest tokens x vocabulary array the strategy must hold at once."""
-    elements: int = tokens * scale["vocab"]
-    if variant in ("tokens-chunked", "vocab-tiled"):
-        return elements // CHUNKS
-    return elements
-
-
-def _floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:
-    """Inputs, loss and gradients (``N·D + V·D``, twice, and the labels) plus float32 logits:
-    all of them for the whole-logits strategies, one chunk for the fixes."""
-    n, d, v = params["tokens"], scale["hidden"], scale["vocab"]
-    inputs: int = (n * d + d * v) * 4 + n * 4
-    if variant.role == "baseline":
-        return inputs + 4
-    floor: int = inputs + 4 + (n * d + d * v) * 4 + chunk_elements(variant.name, scale, n) * 4
-    return floor
 
 
 CASE = Case(
@@ -205,41 +227,16 @@ CASE = Case(
     title="Large-vocabulary cross-entropy materialises the logits",
     symptom="the loss and gradient of a language model hold tokens x vocabulary logits",
     devices=1,
-    scales={
-        "seed": {"hidden": 4096, "vocab": 128_256, "tokens": (8192, 16384, 32768)},
-        "small": {"hidden": 256, "vocab": 16_032, "tokens": (1024, 2048, 4096)},
-        "tiny": {"hidden": 16, "vocab": 320, "tokens": (64, 128)},
-    },
-    variants=(
-        Variant("forward", "baseline", "the loss alone (one-hot labels)", lambda p: loss_one_hot),
-        Variant(
-            "grad-one-hot",
-            "reproduction",
-            "value_and_grad, one-hot labels, float32 logits",
-            lambda p: _grad(loss_one_hot),
-        ),
-        Variant(
-            "grad-integer",
-            "fix",
-            "value_and_grad, integer labels, float32 logits",
-            lambda p: _grad(loss_integer),
-        ),
-        Variant(
-            "tokens-chunked",
-            "fix",
-            "lax.scan over token chunks, each under jax.checkpoint",
-            lambda p: _grad(loss_token_chunks),
-        ),
-        Variant(
-            "vocab-tiled",
-            "fix",
-            "recommended: custom_vjp over vocabulary slices, gradient written slice by slice",
-            lambda p: _grad(loss_vocab_tiles),
-        ),
+    scales=_setup.SCALES,  # hidden width, vocabulary and the tokens measured at each scale
+    variants=_setup.variants(  # the baseline, then value_and_grad of each loss
+        one_hot=loss_one_hot,
+        integer=loss_integer,
+        token_chunks=loss_token_chunks,
+        vocab_tiles=loss_vocab_tiles,
     ),
-    args=_args,
+    args=_setup.args,
     grid=lambda scale: [{"tokens": n} for n in scale["tokens"]],
-    floor=_floor,
+    floor=_setup.floor(CHUNKS),
     tolerance=1e-4,
     cause="the loss's gradient keeps several float32 tokens x vocabulary arrays, made by "
     "log_softmax and by the product with the one-hot labels and its gradient",

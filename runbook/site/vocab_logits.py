@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from .._case import CaseResult, measure_case
 from .._measure import MemoryReport, compile_fn, measure
 from .._render import Table, fmt_bytes
-from ..cases.vocab_logits import CASE, _args, _grad, loss_integer, loss_one_hot
+from ..cases._setup.vocab_logits import args as _args
+from ..cases._setup.vocab_logits import grad as _grad
+from ..cases.vocab_logits import CASE, loss_integer, loss_one_hot
 from ._claims import Claim, verdict
 from ._pages import cited_reports_table
 
