@@ -2,7 +2,7 @@
 
 XLA writes its buffer assignment (which value lives in which allocation) and the optimised
 HLO (which instruction made each value, with its Python source line) when asked to dump a
-compilation. We read both back and join them.
+compilation; `runbook._hlo` reads both back and joins them into `Buffer`s.
 """
 
 from __future__ import annotations
@@ -51,14 +51,6 @@ def _short_path(path: str) -> str:
     return "/".join(parts[-2:])
 
 
-@dataclasses.dataclass
-class _Instruction:
-    opcode: str
-    op_name: str = ""
-    source: str = ""
-    calls: str = ""
-
-
 _TABLES = {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}
 
 
@@ -91,52 +83,6 @@ def source_frames(text: str) -> dict[str, str]:
     return frames
 
 
-def _parse_hlo(text: str) -> tuple[dict[str, _Instruction], dict[str, str]]:
-    """Instructions by name (with op name and source line) and each computation's root."""
-    frames = source_frames(text)
-    instructions: dict[str, _Instruction] = {}
-    roots: dict[str, str] = {}
-    computation = ""
-    for line in text.splitlines():
-        stripped = line.strip()
-        if (c := _COMPUTATION.match(line)) is not None and "=" not in line.split("{")[0]:
-            computation = c[1]
-            continue
-        if (i := _INSTR.match(line)) is None:
-            continue
-        name, opcode = i[1], i[3]
-        inst = _Instruction(opcode)
-        if (m := re.search(r'op_name="([^"]*)"', line)) is not None:
-            inst.op_name = m[1]
-        if (m := re.search(r"stack_frame_id=(\d+)", line)) is not None:
-            inst.source = frames.get(m[1], "")
-        elif (m := re.search(r'source_file="([^"]*)" source_line=(\d+)', line)) is not None:
-            inst.source = f"{_short_path(m[1])}:{m[2]}"
-        if (m := re.search(r"calls=%?([\w.\-]+)", line)) is not None:
-            inst.calls = m[1]
-        instructions[name] = inst
-        if stripped.startswith("ROOT"):
-            roots[computation] = name
-    return instructions, roots
-
-
-def _describe(
-    name: str, instructions: dict[str, _Instruction], roots: dict[str, str]
-) -> tuple[str, str]:
-    """Op name and source for `name`, looking inside a fusion when the fusion has neither."""
-    inst = instructions.get(name)
-    seen = set()
-    while inst is not None and inst.calls and not inst.source and inst.calls not in seen:
-        seen.add(inst.calls)
-        inner = instructions.get(roots.get(inst.calls, ""))
-        if inner is None:
-            break
-        inst = _Instruction(inst.opcode, inst.op_name or inner.op_name, inner.source, inner.calls)
-    if inst is None:
-        return "", ""
-    return inst.op_name, inst.source
-
-
 _COLOR = re.compile(r"\bcolor (\d+)")
 
 
@@ -161,45 +107,6 @@ def allocation_sizes(directory: pathlib.Path) -> dict[str, int]:
         )
         sizes[key] = sizes.get(key, 0) + int(a[1])
     return sizes
-
-
-def parse_dump(directory: pathlib.Path) -> list[Buffer]:
-    """Read the buffer assignment and optimised HLO that XLA dumped into `directory`.
-
-    Returns every value sorted by size, largest first. An empty list when the dump holds
-    no buffer assignment (some backends and older releases write none).
-    """
-    assignments = sorted(directory.glob("*after_optimizations-buffer-assignment.txt"))
-    if not assignments:
-        return []
-    # The last module compiled is the program itself (earlier ones can be small helpers).
-    assignment = max(assignments, key=lambda p: p.stat().st_size)
-    hlo_path = assignment.with_name(assignment.name.replace("-buffer-assignment.txt", ".txt"))
-    hlo = hlo_path.read_text() if hlo_path.exists() else ""
-    instructions, roots = _parse_hlo(hlo)
-    buffers = []
-    kind = "temp"
-    for line in assignment.read_text().splitlines():
-        if (a := _ALLOC.match(line)) is not None:
-            kind = _allocation_kind(a[2])
-        elif (v := _VALUE.match(line)) is not None:
-            name = v[1].split("{")[0]  # "fusion{1}": element 1 of a tuple-shaped fusion
-            op, source = _describe(name, instructions, roots)
-            opcode = instructions[name].opcode if name in instructions else ""
-            buffers.append(
-                Buffer(
-                    int(v[2]),
-                    v[3].split("{")[0],
-                    kind,
-                    f"{name} ({opcode})" if opcode else name,
-                    op,
-                    source,
-                )
-            )
-        elif line.startswith(("Used values", "HloLiveRange")):
-            break
-    buffers.sort(key=lambda b: b.size, reverse=True)
-    return buffers
 
 
 @dataclasses.dataclass(frozen=True)

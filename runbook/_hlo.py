@@ -15,7 +15,7 @@ import pathlib
 import re
 from collections.abc import Iterator
 
-from ._buffers import _allocation_kind, _short_path, source_frames
+from ._buffers import _COLOR, Buffer, _allocation_kind, _short_path, source_frames
 
 _ITEMSIZE = {
     "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2,
@@ -64,6 +64,12 @@ class Shape:
 
     def __str__(self) -> str:
         return self.text.split("{")[0] if self.is_array else self.text
+
+
+# Instructions whose called computation's parameters are the instruction's operands.
+_PASSES_OPERANDS = ("fusion", "async-start", "call")
+# Compiler-made instructions that only move, re-type or re-lay out their operand.
+_MOVES = ("copy", "bitcast", "reshape", "transpose", "convert", "copy-start", "copy-done")
 
 
 def itemsize(dtype: str) -> float:
@@ -207,6 +213,79 @@ class Module:
             inst = nxt
         return inst
 
+    @functools.cached_property
+    def callers(self) -> dict[str, Instruction]:
+        """Computation name -> the instruction that calls it (the first one found)."""
+        found: dict[str, Instruction] = {}
+        for body in self.computations.values():
+            for inst in body:
+                for c in inst.calls:
+                    found.setdefault(c, inst)
+        return found
+
+    def outside(self, inst: Instruction) -> Instruction:
+        """For a parameter of a fused computation: the operand the fusion was called with
+        (likewise for the computation an async-start or a call runs)."""
+        seen = set()
+        while inst.opcode == "parameter" and inst.computation not in seen:
+            seen.add(inst.computation)
+            caller = self.callers.get(inst.computation)
+            number = inst.parameter_number
+            if caller is None or caller.opcode not in _PASSES_OPERANDS or number is None:
+                break
+            nxt = self.get(caller.operands[number]) if number < len(caller.operands) else None
+            if nxt is None:
+                break
+            inst = nxt
+        return inst
+
+    def operand(self, inst: Instruction, k: int) -> Instruction | None:
+        """The `k`-th operand of `inst`; a fusion's parameter resolved to the caller's operand."""
+        if k >= len(inst.operands):
+            return None
+        found = self.get(inst.operands[k])
+        return self.outside(found) if found is not None else None
+
+    def describe(self, inst: Instruction) -> tuple[str, str]:
+        """The JAX op name and source line of `inst`, or, where the compiler made it and
+        recorded none (a tuple element of a multi-output fusion, a copy, a layout change;
+        most of a TPU program's buffers), of the nearest instruction it is made from that
+        has them: into a fusion's root, through tuple elements, back through moves."""
+        op, source = inst.op_name, inst.source
+        todo, seen = [inst], set[str]()
+        while todo and (not op or not source) and len(seen) < 64:
+            current = todo.pop(0)
+            if current.name in seen:
+                continue
+            seen.add(current.name)
+            op, source = op or current.op_name, source or current.source
+            todo += self._made_from(current)
+        return op, source
+
+    def _made_from(self, inst: Instruction) -> list[Instruction]:
+        """What `inst` is made from, for `describe`: a called computation's root (or its
+        tuple's elements), the element a get-tuple-element takes, a move's operand."""
+        if inst.opcode == "get-tuple-element" and inst.operands:
+            source = self.get(inst.operands[0])
+            k = inst.tuple_index
+            root = self.root(source.calls[0]) if source and source.calls else source
+            if root is not None and root.opcode == "tuple" and k is not None:
+                element = self.get(root.operands[k]) if k < len(root.operands) else None
+                return [element] if element is not None else []
+            return [source] if source is not None else []
+        if inst.calls:
+            root = self.root(inst.calls[0])
+            if root is not None and root.opcode == "tuple":
+                return [i for n in root.operands if (i := self.get(n)) is not None]
+            return [root] if root is not None else []
+        if inst.opcode == "parameter":
+            outside = self.outside(inst)
+            return [outside] if outside is not inst else []
+        if inst.opcode in _MOVES and inst.operands:
+            found = self.operand(inst, 0)
+            return [found] if found is not None else []
+        return []
+
     def ancestors(self, name: str, limit: int = 100_000) -> set[str]:
         """Every instruction `name` depends on in its computation (operands, transitively)."""
         seen: set[str] = set()
@@ -323,8 +402,12 @@ def _restore_projections(computations: dict[str, list[Instruction]]) -> None:
 # --- the buffer assignment -----------------------------------------------------------------
 
 _ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
-_VALUE = re.compile(r"^ value: <\d+ ([^ >]+)(?: @[^>]*)?> \(size=(\d+),offset=(\d+)\): (\S+)")
+# A value a loop carries is printed with a mark: ``<45 arg_tuple.3{1} (phi) @0>``.
+_VALUE = re.compile(
+    r"^ value: <\d+ ([^ >]+)( \(phi\))?(?: @[^>]*)?> \(size=(\d+),offset=(\d+)\): (\S+)"
+)
 _LIVE = re.compile(r"^\s+([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)$")
+_STEP = re.compile(r"^\s+(\d+):([\w.\-]+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +421,13 @@ class Value:
     allocation: int
     kind: str  # argument, output, temp, constant or thread-local
     shape: str
+    # XLA's colour of the allocation: 0 is the device's main memory; TPU compilers put
+    # on-chip scratch (VMEM) in 1 and scalar memory in 2.
+    space: int = 0
+    # A phi: what a loop carries into its body, out of it, or from one iteration to the
+    # next. It shares memory with a value XLA lists without the mark, at another time of
+    # the schedule: it has a live range of its own, and no bytes of its own.
+    phi: bool = False
 
     @property
     def extent(self) -> tuple[int, int, int]:
@@ -346,23 +436,26 @@ class Value:
 
 
 def parse_assignment(text: str) -> list[Value]:
-    """Every value of a dumped buffer assignment, in the order XLA lists them."""
+    """Every value of a dumped buffer assignment, in the order XLA lists them (phis marked)."""
     values: list[Value] = []
-    kind, alloc = "temp", -1
+    kind, alloc, space = "temp", -1, 0
     for line in text.splitlines():
         if (a := _ALLOC.match(line)) is not None:
             kind, alloc = _allocation_kind(a[3]), int(a[1])
+            space = int(c[1]) if (c := _COLOR.search(a[3])) is not None else 0
         elif (v := _VALUE.match(line)) is not None:
             name, _, index = v[1].partition("{")
             values.append(
                 Value(
                     name,
                     "{" + index if index else "{}",
-                    int(v[2]),
                     int(v[3]),
+                    int(v[4]),
                     alloc,
                     kind,
-                    v[4].split("{")[0],
+                    v[5].split("{")[0],
+                    space,
+                    bool(v[2]),
                 )
             )
         elif line.startswith(("Used values", "HloLiveRange", "Total bytes")):
@@ -388,13 +481,45 @@ def parse_live_ranges(text: str) -> dict[tuple[str, str], tuple[int, int]]:
     return ranges
 
 
+def parse_schedule(text: str) -> list[str]:
+    """The instruction at each position of the schedule, from a live-range dump.
+
+    XLA flattens the program into one sequence: the entry computation's instructions, with
+    those of the computations a while loop or a conditional runs (its condition, its body
+    once, each branch) inserted before it. Live ranges index this sequence; a value live to
+    the end of the program ends at ``len(schedule)``.
+    """
+    steps: list[str] = []
+    inside = False
+    for line in text.splitlines():
+        if line.strip() == "InstructionSequence:":
+            inside = True
+        elif inside:
+            if (m := _STEP.match(line)) is None:
+                break
+            steps.append(m[2])
+    return steps
+
+
 @dataclasses.dataclass
 class Dump:
     """What XLA dumped for one compiled program."""
 
     module: Module
-    values: list[Value]
+    values: list[Value]  # the phis apart: each shares memory with a value listed here
     live: dict[tuple[str, str], tuple[int, int]]
+    schedule: list[str] = dataclasses.field(default_factory=list)  # see `parse_schedule`
+    phis: list[Value] = dataclasses.field(default_factory=list)
+
+    def buffers(self) -> list[Buffer]:
+        """Every value with the JAX op and source line that made it, largest first."""
+        found = []
+        for v in self.values:
+            inst = self.module.get(v.instruction)
+            op, source = self.module.describe(inst) if inst is not None else ("", "")
+            name = f"{v.instruction} ({inst.opcode})" if inst is not None else v.instruction
+            found.append(Buffer(v.size, v.shape, v.kind, name, op, source))
+        return sorted(found, key=lambda b: b.size, reverse=True)
 
 
 def read_dump(directory: pathlib.Path) -> Dump | None:
@@ -406,8 +531,12 @@ def read_dump(directory: pathlib.Path) -> Dump | None:
     stem = assignment.name.removesuffix("-buffer-assignment.txt")
     hlo = assignment.with_name(stem + ".txt")
     live = assignment.with_name(stem + "-live-range.txt")
+    ranges = live.read_text() if live.exists() else ""
+    values = parse_assignment(assignment.read_text())
     return Dump(
         parse_module(hlo.read_text() if hlo.exists() else ""),
-        parse_assignment(assignment.read_text()),
-        parse_live_ranges(live.read_text()) if live.exists() else {},
+        [v for v in values if not v.phi],
+        parse_live_ranges(ranges),
+        parse_schedule(ranges),
+        [v for v in values if v.phi],
     )

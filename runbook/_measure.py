@@ -19,8 +19,9 @@ from typing import Any
 import jax
 
 from . import _cache, _targets
-from ._buffers import Buffer, allocation_sizes, parse_dump
+from ._buffers import Buffer, allocation_sizes
 from ._errors import DoesNotFitError, RunbookError
+from ._hlo import read_dump
 from ._inputs import as_jax, quiet_donation
 from ._provenance import Provenance
 from ._quiet import start_backend
@@ -349,7 +350,8 @@ def _measure_lowered(
         compiled = compile_lowered(lowered, name=name, compiler_options=options, target=target)
         seconds = time.perf_counter() - start
         stats = compiled.memory_analysis()
-        found = tuple(parse_dump(pathlib.Path(dump))) if buffers else ()
+        read = read_dump(pathlib.Path(dump)) if buffers else None
+        found = tuple(read.buffers()) if read is not None else ()
         sizes = allocation_sizes(pathlib.Path(dump)) if buffers else {}
     if stats is None:
         where = target.name if target else jax.default_backend()

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import jax
 
 from . import _targets
-from ._buffers import Buffer, parse_dump
+from ._buffers import Buffer, allocation_sizes
 from ._errors import RunbookError
 from ._hlo import Dump, Instruction, Shape, Value, read_dump
 from ._inputs import as_jax, quiet_donation
@@ -33,8 +33,6 @@ from ._quiet import start_backend
 _T = TypeVar("_T")
 
 SITE_FIX = "cases/{case}.html#fix"
-# Instructions whose called computation's parameters are the instruction's operands.
-_PASSES_OPERANDS = ("fusion", "async-start", "call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +176,12 @@ class Program:
         fn, args: what was compiled (a detector may recompile a mechanical fix).
         report: its `MemoryReport`, buffers included.
         module: the optimised HLO (`runbook._hlo.Module`).
-        values: every value of the buffer assignment.
+        values: every value of the buffer assignment, but its phis.
+        phis: the values a loop carries (`runbook._hlo.Value.phi`): each shares memory
+            with one of `values`, at other times of the schedule.
         live: each value's live range in the schedule, where XLA wrote one.
+        schedule: the instruction at each position of the schedule (see
+            `runbook._hlo.parse_schedule`); empty where XLA wrote no live ranges.
         parameters: the inputs, by HLO parameter number.
         devices: how many devices the program runs on.
         target: the target it was compiled for, or None for this process's backend.
@@ -202,6 +204,7 @@ class Program:
         self.fn, self.args, self.report = fn, tuple(args), report
         self.measure_fixes = measure_fixes
         self.module, self.values, self.live = dump.module, dump.values, dump.live
+        self.phis, self.schedule = dump.phis, dump.schedule
         self.target, self.options = target, dict(options)
         self.devices = _devices_used(compiled)
         self.parameters = self._parameters(compiled)
@@ -241,8 +244,9 @@ class Program:
             )
             seconds = time.perf_counter() - start
             stats = compiled.memory_analysis()
-            buffers = tuple(parse_dump(pathlib.Path(dump_dir)))
             dump = read_dump(pathlib.Path(dump_dir))
+            sizes = allocation_sizes(pathlib.Path(dump_dir))
+            buffers = tuple(dump.buffers()) if dump is not None else ()
         where = target.name if target else jax.default_backend()
         if stats is None or dump is None:
             raise RunbookError(f"the {where} compiler reports no buffer assignment to diagnose.")
@@ -257,6 +261,7 @@ class Program:
             compile_seconds=seconds,
             buffers=buffers,
             caveats=() if target else _backend_caveats(compiled, options),
+            allocations=sizes,
         )
         return cls(fn, args, report, dump, compiled, target, options, measure_fixes=measure_fixes)
 
@@ -322,17 +327,8 @@ class Program:
         return self.report.total
 
     def describe(self, inst: Instruction) -> tuple[str, str]:
-        """The JAX op name and source line of `inst`, from inside a fusion when it has none."""
-        op, source, seen = inst.op_name, inst.source, set()
-        current: Instruction | None = inst
-        while current is not None and (not op or not source) and current.calls:
-            if current.name in seen:
-                break
-            seen.add(current.name)
-            current = self.module.root(current.calls[0])
-            if current is not None:
-                op, source = op or current.op_name, source or current.source
-        return op, source
+        """The JAX op name and source line of `inst` (see `Module.describe`)."""
+        return self.module.describe(inst)
 
     def buffer(self, inst: Instruction, value: Value | None = None) -> Buffer:
         """Evidence for `inst` (its buffer-assignment value where it has one)."""
@@ -380,38 +376,16 @@ class Program:
 
     def operand(self, inst: Instruction, k: int) -> Instruction | None:
         """The `k`-th operand of `inst`; a fusion's parameter resolved to the caller's operand."""
-        if k >= len(inst.operands):
-            return None
-        found = self.module.get(inst.operands[k])
-        return self.outside(found) if found is not None else None
+        return self.module.operand(inst, k)
 
     def outside(self, inst: Instruction) -> Instruction:
-        """For a parameter of a fused computation: the operand the fusion was called with
-        (likewise for the computation an async-start or a call runs)."""
-        seen = set()
-        while inst.opcode == "parameter" and inst.computation not in seen:
-            seen.add(inst.computation)
-            caller = self.callers.get(inst.computation)
-            number = inst.parameter_number
-            if caller is None or caller.opcode not in _PASSES_OPERANDS or number is None:
-                break
-            nxt = (
-                self.module.get(caller.operands[number]) if number < len(caller.operands) else None
-            )
-            if nxt is None:
-                break
-            inst = nxt
-        return inst
+        """For a parameter of a fused computation: the operand the fusion was called with."""
+        return self.module.outside(inst)
 
-    @functools.cached_property
+    @property
     def callers(self) -> dict[str, Instruction]:
         """Computation name -> the instruction that calls it (the first one found)."""
-        found: dict[str, Instruction] = {}
-        for body in self.module.computations.values():
-            for inst in body:
-                for c in inst.calls:
-                    found.setdefault(c, inst)
-        return found
+        return self.module.callers
 
     def in_loop(self, inst: Instruction) -> bool:
         """True when `inst` runs inside a while loop's body (a scan, a fori_loop, lax.map)."""
