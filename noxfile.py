@@ -184,6 +184,15 @@ def bench(session: nox.Session) -> None:
                 env=CPU_ONLY)  # fmt: skip
 
 
+@nox.session(default=False)
+def oom(session: nox.Session) -> None:
+    """The out-of-memory messages the runbook makes itself (XLA's TPU compiler for a v5e,
+    without the device; XLA's CPU runtime), for `runbook.explain`'s page and tests. Writes
+    docs/_data/oom/{tpu_v5e_gather_grad,tpu_v5e_vocab_logits,cpu_ones}.txt."""
+    session.install("-e.[targets]")
+    session.run("python", "-m", "runbook.site.producers.oom", *session.posargs, env=CPU_ONLY)
+
+
 @nox.session(default=False, venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """Real peaks on this machine's GPU, with the Python on PATH (a CUDA build of JAX).

@@ -44,6 +44,8 @@ _PUBLIC = {
     "Diagnosis": "_diagnose",
     "Finding": "_diagnose",
     "diagnose": "_diagnose",
+    "Explanation": "_explain",
+    "explain": "_explain",
     "ChildCrashed": "_subprocess",
     "DoesNotFitError": "_errors",
     "RunbookError": "_errors",
@@ -92,6 +94,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and editors
     from ._case_types import Case, Variant
     from ._diagnose import Diagnosis, Finding, diagnose
     from ._errors import DoesNotFitError, RunbookError, UnknownNameError, WontFitError
+    from ._explain import Explanation, explain
     from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
     from ._provenance import Provenance
     from ._render import (
@@ -118,6 +121,7 @@ __all__ = [
     "ChildCrashed",
     "Diagnosis",
     "DoesNotFitError",
+    "Explanation",
     "Finding",
     "MemoryReport",
     "Provenance",
@@ -134,6 +138,7 @@ __all__ = [
     "case_names",
     "compile_fn",
     "diagnose",
+    "explain",
     "figures_table",
     "fmt_bytes",
     "get_case",

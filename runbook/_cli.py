@@ -1,9 +1,11 @@
-"""``python -m runbook``: list the cases, measure one, diagnose or watch your own code."""
+"""``python -m runbook``: list the cases, measure one, diagnose or watch your own code, explain
+an out-of-memory message."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -11,6 +13,7 @@ from typing import NoReturn
 from ._case import CaseResult, case_names, get_case, measure_case
 from ._diagnose import diagnose_locator
 from ._errors import RunbookError
+from ._explain import explain
 from ._quiet import start_backend
 from ._render import figures_table, fmt_bytes, provenance_label, report_table
 from ._targets import get_target, target_names, targets, unavailable
@@ -69,6 +72,14 @@ def _parser() -> argparse.ArgumentParser:
         "no parameter); main must look it up by name when it calls it",
     )
     watch.add_argument("--json", action="store_true", help="print one JSON object")
+    expl = sub.add_parser(
+        "explain",
+        help="explain an XLA out-of-memory message: needed against available, the buffers, "
+        "the case",
+    )
+    expl.add_argument(
+        "file", help="a file holding the message (a pasted log is fine), or - for standard input"
+    )
     return parser
 
 
@@ -94,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.command == "watch":
             return _watch(args.function, args.steps, args.step_on, args.json)
+
+        if args.command == "explain":
+            print(explain(sys.stdin.read() if args.file == "-" else pathlib.Path(args.file)))
+            return 0
 
         def progress(line: str) -> None:
             if not args.quiet:
