@@ -4,7 +4,9 @@ A fresh clone of the committed tree (HEAD, as Read the Docs checks out a commit)
 virtual environment on the Python the file names (`build.tools.python`), then the file's
 `build.jobs` commands in Read the Docs' order, each in a shell with that environment first on
 PATH and `READTHEDOCS_OUTPUT` set. Prints each step's seconds and the total, and fails when
-the total passes Read the Docs' build time limit.
+the total passes Read the Docs' build time limit. Also prints the build step's peak memory,
+every process of it summed (proportional set size, sampled each second), and fails above
+`--memory-limit` GiB where one is given.
 
     nox -s rtd                      # what .ci/run runs
     nox -s rtd -- --offline-build   # the build step with no network (loopback only; root)
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 import yaml
+from tree_memory import Peak, watching
 
 ROOT = Path(__file__).resolve().parents[2]
 # Read the Docs' default build time limit on its community plan, in seconds.
@@ -57,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offline-build", action="store_true",
                         help="run the build step in a network namespace with loopback only")  # fmt: skip
     parser.add_argument("--limit", type=float, default=LIMIT, help="seconds allowed in all")
+    parser.add_argument("--memory-limit", type=float, default=None,
+                        help="GiB the build step may hold at its peak (default: report only)")  # fmt: skip
     args = parser.parse_args(argv)
     config = yaml.safe_load((ROOT / ".readthedocs.yaml").read_text())
     python = _interpreter(str(config["build"]["tools"]["python"]))
     work = Path(tempfile.mkdtemp(prefix="rtd-"))
     checkout, venv, output = work / "checkout", work / "venv", work / "_readthedocs"
     times: list[tuple[str, float]] = []
+    peak = Peak()
     start = time.perf_counter()
     try:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(checkout)], check=True)
@@ -79,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run = ["bash", "-ec", command]
             began = time.perf_counter()
-            subprocess.run(run, cwd=checkout, env=env, check=True)
+            with subprocess.Popen(run, cwd=checkout, env=env) as proc:
+                if job == "build":
+                    with watching(proc.pid, peak):
+                        proc.wait()
+            if proc.wait():
+                raise subprocess.CalledProcessError(proc.returncode, run)
             times.append((f"{job}: {command[:60]}", time.perf_counter() - began))
         total = time.perf_counter() - start
         if not (output / "html" / "index.html").exists():
@@ -89,8 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     for step, seconds in times:
         print(f"rehearse: {seconds:7.1f} s  {step}")
     print(f"rehearse: {total:7.1f} s  in all (limit {args.limit:.0f} s), Python {python}")
+    print(f"rehearse: build step's peak memory {peak}")
     if total > args.limit:
         print("rehearse: over the hosted build's time limit", file=sys.stderr)
+        return 1
+    if args.memory_limit is not None and peak.pss > args.memory_limit * 2**30:
+        print(f"rehearse: over {args.memory_limit} GiB of memory at the peak", file=sys.stderr)
         return 1
     return 0
 

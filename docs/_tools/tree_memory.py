@@ -1,0 +1,88 @@
+"""The memory of a process and all its descendants, sampled while they run (Linux).
+
+Proportional set size (PSS) divides each shared page among the processes that map it, so
+a sum over processes counts the machine's memory once; the resident set (RSS) counts shared
+pages once per process. Read the Docs' builders limit the build's memory as a whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _children() -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                found.setdefault(parent, []).append(int(entry.name))
+    return found
+
+
+def _rollup(pid: int) -> dict[str, int]:
+    """Pss and Rss of `pid` in bytes (empty if it has gone)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return {}
+    return {
+        key: int(line.split()[1]) * 1024
+        for line in text.splitlines()
+        if (key := line.split(":")[0]) in ("Pss", "Rss")
+    }
+
+
+def sample(root: int) -> tuple[int, int, int]:
+    """(summed PSS, summed RSS, the largest single PSS) of `root` and its descendants."""
+    children, todo, pss, rss, largest = _children(), [root], 0, 0, 0
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        found = _rollup(pid)
+        pss, rss = pss + found.get("Pss", 0), rss + found.get("Rss", 0)
+        largest = max(largest, found.get("Pss", 0))
+    return pss, rss, largest
+
+
+class Peak:
+    """The highest `sample` seen: summed PSS, with the RSS and largest process at that time."""
+
+    def __init__(self) -> None:
+        self.pss = self.rss = self.largest = 0
+        self.samples = 0
+
+    def see(self, root: int) -> None:
+        pss, rss, largest = sample(root)
+        self.samples += 1
+        if pss > self.pss:
+            self.pss, self.rss, self.largest = pss, rss, largest
+
+    def __str__(self) -> str:
+        gib = 2**30
+        return (
+            f"{self.pss / gib:.2f} GiB summed proportional set size ({self.rss / gib:.2f} GiB "
+            f"summed resident set, {self.largest / gib:.2f} GiB in its largest process), "
+            f"{self.samples} samples"
+        )
+
+
+@contextlib.contextmanager
+def watching(root: int, peak: Peak, every: float = 1.0) -> Iterator[Peak]:
+    """Inside, a thread samples `root`'s tree every `every` seconds into `peak`."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(every):
+            peak.see(root)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        thread.join()

@@ -1,0 +1,40 @@
+"""The hosted-build rehearsal's memory figure: a process tree's summed memory, sampled."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "_tools"))
+
+from tree_memory import Peak, sample, watching
+
+HOLD = 256 * 2**20
+# A parent that starts a child holding HOLD bytes of its own pages, then waits for it.
+CHILD = f"b = bytearray({HOLD}); b[::4096] = b'x' * len(b[::4096]); import time; time.sleep(30)"
+PARENT = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {CHILD!r}])"
+
+
+def test_the_peak_counts_the_memory_a_grandchild_holds():
+    with subprocess.Popen([sys.executable, "-c", PARENT]) as proc:
+        peak = Peak()
+        try:
+            with watching(proc.pid, peak, every=0.2):
+                deadline = time.monotonic() + 20
+                while peak.pss < HOLD and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            pss, rss, largest = sample(proc.pid)
+        finally:
+            proc.kill()
+            subprocess.run(["pkill", "-f", "b = bytearray"], check=False)
+    assert HOLD <= peak.pss < 2 * HOLD + 200 * 2**20
+    assert HOLD <= largest <= pss <= rss
+    assert "GiB summed proportional set size" in str(peak)
+
+
+def test_a_process_that_has_gone_holds_nothing():
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    assert sample(done.pid) == (0, 0, 0)
