@@ -13,7 +13,7 @@ import warnings
 import jax
 
 from .._errors import RunbookError
-from .._measure import _is_pmap
+from .._measure import _is_pmap, compile_fn
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 from ._common import state_pairs
@@ -40,15 +40,20 @@ def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "some donated buffers were not usable"
-            fixed = Program.compile(
-                donated,
-                *program.args,
-                target=program.target,
-                compiler_options=program.options,
-            )
+            # Only its figures are read: no dump to write and parse.
+            stats = compile_fn(
+                donated, *program.args, compiler_options=program.options, target=program.target
+            ).memory_analysis()
     except (RunbookError, TypeError, ValueError):
         return None
-    return fixed.total
+    if stats is None:
+        return None
+    return int(
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
 
 
 def detect(program: Program) -> list[Finding]:
