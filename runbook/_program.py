@@ -29,6 +29,7 @@ from ._inputs import as_jax, quiet_donation
 from ._measure import YNN_OPTION, MemoryReport, _backend_caveats, _devices_used, compile_fn
 from ._provenance import Provenance
 from ._quiet import start_backend
+from ._render import fmt_bytes
 
 _T = TypeVar("_T")
 
@@ -263,7 +264,49 @@ class Program:
             caveats=() if target else _backend_caveats(compiled, options),
             allocations=sizes,
         )
-        return cls(fn, args, report, dump, compiled, target, options, measure_fixes=measure_fixes)
+        program = cls(
+            fn, args, report, dump, compiled, target, options, measure_fixes=measure_fixes
+        )
+        if target is None and jax.default_backend() == "cpu" and (note := program._widened()):
+            program.report = dataclasses.replace(report, caveats=(*report.caveats, note))
+        return program
+
+    def _through_bf16(self, inst: Instruction) -> bool:
+        """Whether `inst` converts a bfloat16 value (inside its fusion, or its operand)."""
+        inner = [inst, *self.module.inner_ops(inst)]
+        operand = self.module.operand(inst, 0)
+        return any(i.shape.dtype == "bf16" for i in inner) or (
+            operand is not None and operand.shape.dtype == "bf16"
+        )
+
+    def _widened(self) -> str | None:
+        """XLA:CPU multiplies bfloat16 in float32: the products it widened (a float32 dot of
+        bfloat16 operands converted up, whose result is converted back down) and those
+        operand copies, as a caveat with the most bytes they hold at once; None if none."""
+        m = self.module
+
+        def made(inst: Instruction, dtype: str) -> bool:  # a convert (fused or not) to dtype
+            root = m.through(inst)
+            return inst.shape.dtype == dtype and root.opcode in ("convert", "bitcast")
+
+        widened: dict[str, Instruction] = {}
+        for dot in m.entry_instructions:
+            if dot.opcode != "dot" or dot.shape.dtype != "f32":
+                continue
+            copies = [o for k in range(2) if (o := m.operand(dot, k)) is not None]
+            upcast = [o for o in copies if made(o, "f32") and self._through_bf16(o)]
+            if len(upcast) == 2 and any(made(u, "bf16") for u in m.users.get(dot.name, [])):
+                widened |= {i.name: i for i in (dot, *upcast)}
+        values = [v for i in widened.values() for v in self.values_of(i.name) if v.kind == "temp"]
+        if not values:
+            return None
+        products = sum(1 for i in widened.values() if i.opcode == "dot")
+        return (
+            f"XLA:CPU multiplies bfloat16 in float32: {products} bfloat16 products and their "
+            f"operands are float32 buffers here, {fmt_bytes(self.peak(values))} at most at once "
+            "(half that in bfloat16). A GPU or TPU compiler may keep them in bfloat16: "
+            "diagnose with target= to see."
+        )
 
     # --- inputs and outputs ---------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -689,3 +690,28 @@ def test_hlo_reader_sees_a_tuple_element_the_same_whichever_way_xla_printed_it(t
     assert element.tuple_index == 1
     assert element.shape.dims == (4,)
     assert [u.opcode for u in module.users[element.name]] == ["negate"]
+
+
+def _caveats(fn, dtype):
+    x = jax.ShapeDtypeStruct((512, 1024), dtype)
+    w = jax.ShapeDtypeStruct((1024, 2048), dtype)
+    return [c for c in runbook.diagnose(fn, x, w).report.caveats if "bfloat16" in c]
+
+
+def test_cpu_widening_of_bfloat16_products_is_a_caveat_with_its_bytes():
+    if jax.default_backend() != "cpu":
+        pytest.skip("XLA:CPU's widening")
+    (caveat,) = _caveats(lambda x, w: jnp.tanh(x @ w), jnp.bfloat16)
+    assert "1 bfloat16 products" in caveat
+    # At most at once: the float32 product, and at most both float32 operand copies beside it.
+    mib = float(re.search(r"([\d.]+) MiB at most at once", caveat)[1])
+    assert 512 * 2048 * 4 <= mib * 2**20 <= (512 * 2048 + 512 * 1024 + 1024 * 2048) * 4
+    assert _caveats(lambda x, w: jnp.tanh(x @ w), jnp.float32) == []
+    # A float32 result asked for is the program's own, not a widening.
+    assert (
+        _caveats(
+            lambda x, w: jnp.tanh(jnp.matmul(x, w, preferred_element_type=jnp.float32)),
+            jnp.bfloat16,
+        )
+        == []
+    )
