@@ -67,6 +67,8 @@ _PUBLIC = {
     "report_table": "_render",
     "RuntimePeak": "_runtime",
     "runtime_peak": "_runtime",
+    "Timeline": "_timeline",
+    "timeline": "_timeline",
     "Target": "_targets",
     "get_target": "_targets",
     "target_devices": "_targets",
@@ -110,6 +112,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and editors
     from ._runtime import RuntimePeak, runtime_peak
     from ._subprocess import ChildCrashed
     from ._targets import Target, get_target, target_devices, targets
+    from ._timeline import Timeline, timeline
     from ._watch import Watch, watch
 
 __version__ = "0.1.0"
@@ -129,6 +132,7 @@ __all__ = [
     "RuntimePeak",
     "Table",
     "Target",
+    "Timeline",
     "UnknownNameError",
     "Variant",
     "Watch",
@@ -153,6 +157,7 @@ __all__ = [
     "runtime_peak",
     "target_devices",
     "targets",
+    "timeline",
     "verify",
     "watch",
     "xla_usage_report_total",

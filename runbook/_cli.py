@@ -1,5 +1,5 @@
-"""``python -m runbook``: list the cases, measure one, diagnose or watch your own code, explain
-an out-of-memory message."""
+"""``python -m runbook``: list the cases, measure one, diagnose or watch your own code, draw
+its memory over its schedule, explain an out-of-memory message."""
 
 from __future__ import annotations
 
@@ -80,6 +80,23 @@ def _parser() -> argparse.ArgumentParser:
     expl.add_argument(
         "file", help="a file holding the message (a pasted log is fine), or - for standard input"
     )
+    line = sub.add_parser(
+        "timeline",
+        help="the bytes your own function holds over its compiled schedule, and the buffers "
+        "live at its peak",
+    )
+    line.add_argument("function", help="locator path/to/file.py:function (a function or a jax.jit)")
+    line.add_argument(
+        "--args",
+        help="locator path/to/file.py:make_args, a function returning the arguments as a tuple "
+        "(jax.ShapeDtypeStruct allocates nothing)",
+    )
+    line.add_argument(
+        "--target",
+        help=f"compile for this device instead of this machine's backend: {', '.join(target_names())}",
+    )
+    line.add_argument("--png", metavar="FILE", help="also draw the chart into this PNG file")
+    line.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -110,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(explain(sys.stdin.read() if args.file == "-" else pathlib.Path(args.file)))
             return 0
 
+        if args.command == "timeline":
+            return _timeline(args.function, args.args, args.target, args.png, args.json)
+
         def progress(line: str) -> None:
             if not args.quiet:
                 print(line, file=sys.stderr, flush=True)
@@ -136,6 +156,20 @@ def _watch(locator: str, steps: int | None, step_on: str | None, as_json: bool) 
     if error:
         print(f"runbook: error: {error}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _timeline(
+    locator: str, args_locator: str | None, target: str | None, png: str | None, as_json: bool
+) -> int:
+    from ._timeline import timeline_locator, write_png
+
+    if target is not None:
+        get_target(target)  # an unknown name fails before the user's file is loaded
+    found = timeline_locator(locator, args_locator, target=target)
+    if png:
+        write_png(found, png)
+    print(json.dumps(found.to_json(), indent=1) if as_json else found)
     return 0
 
 

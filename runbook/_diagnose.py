@@ -10,8 +10,8 @@ from typing import Any
 
 from . import _targets
 from ._buffers import Buffer
-from ._errors import DoesNotFitError, RunbookError
-from ._locator import load_callable, one_line
+from ._errors import DoesNotFitError
+from ._locator import call_located
 from ._measure import MemoryReport
 from ._program import Finding, NearMiss, Program
 from ._render import Table, fmt_bytes
@@ -504,18 +504,8 @@ def diagnose_locator(
     `jax.ShapeDtypeStruct`s to allocate nothing. Every failure of the user's code (import,
     `make_args`, tracing) is a `RunbookError` with a one-line message.
     """
-    fn = load_callable(locator)
-    args: tuple[Any, ...] = ()
-    if args_locator:
-        make_args = load_callable(args_locator, "make_args function")
-        try:
-            made = make_args()
-        except Exception as e:  # the user's code
-            raise RunbookError(f"`{args_locator}` failed: {one_line(e)}") from e
-        args = made if isinstance(made, tuple) else (made,)
-    try:
-        return diagnose(fn, *args, target=target, name=locator.rpartition(":")[2])
-    except RunbookError as e:
-        raise RunbookError(str(e).strip().splitlines()[0]) from e
-    except Exception as e:  # a failure inside the user's function while JAX traces it
-        raise RunbookError(f"could not trace `{locator}`: {one_line(e)}") from e
+    return call_located(
+        locator,
+        args_locator,
+        lambda fn, args, name: diagnose(fn, *args, target=target, name=name),
+    )

@@ -8,9 +8,11 @@ import importlib.util
 import pathlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ._errors import RunbookError
+
+_T = TypeVar("_T")
 
 
 def one_line(error: BaseException) -> str:
@@ -54,3 +56,41 @@ def load_callable(locator: str, what: str = "function") -> Callable[..., Any]:
     if not callable(found):
         raise RunbookError(f"`{locator}`: {name!r} is a {type(found).__name__}, not a {what}")
     return found
+
+
+def load_args(locator: str | None) -> tuple[Any, ...]:
+    """The arguments the function named by ``path/to/file.py:make_args`` returns when called
+    with none: a tuple is the arguments, anything else the one argument; none without a
+    locator.
+
+    Raises:
+        RunbookError: the locator does not load, or `make_args` fails; the message is one
+            line.
+    """
+    if not locator:
+        return ()
+    make_args = load_callable(locator, "make_args function")
+    try:
+        made = make_args()
+    except Exception as e:  # the user's code
+        raise RunbookError(f"`{locator}` failed: {one_line(e)}") from e
+    return made if isinstance(made, tuple) else (made,)
+
+
+def call_located(
+    locator: str,
+    args_locator: str | None,
+    run: Callable[[Callable[..., Any], tuple[Any, ...], str], _T],
+) -> _T:
+    """``run(fn, args, name)`` for the function a locator names, its arguments from
+    `args_locator` (see `load_args`) and its name: how the command line's ``diagnose`` and
+    ``timeline`` call a user's code. Every failure of that code (import, `make_args`,
+    tracing) is a `RunbookError` with a one-line message."""
+    fn = load_callable(locator)
+    args = load_args(args_locator)
+    try:
+        return run(fn, args, locator.rpartition(":")[2])
+    except RunbookError as e:
+        raise RunbookError(str(e).strip().splitlines()[0]) from e
+    except Exception as e:  # a failure inside the user's function while JAX traces it
+        raise RunbookError(f"could not trace `{locator}`: {one_line(e)}") from e
