@@ -24,6 +24,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"runbook: error: {message}\n")
 
 
+def _program_arguments(command: argparse.ArgumentParser, target_help: str) -> None:
+    """The arguments of a command that compiles the user's own function: the function, its
+    arguments, a target, JSON."""
+    command.add_argument(
+        "function", help="locator path/to/file.py:function (a function, a jax.jit, a module)"
+    )
+    command.add_argument(
+        "--args",
+        help="locator path/to/file.py:make_args, a function returning the arguments as a tuple "
+        "(jax.ShapeDtypeStruct allocates nothing)",
+    )
+    command.add_argument("--target", help=f"{target_help}: {', '.join(target_names())}")
+    command.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m runbook", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -43,17 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     diag = sub.add_parser(
         "diagnose", help="name the known memory problems of your own function, and their fixes"
     )
-    diag.add_argument("function", help="locator path/to/file.py:function (a function or a jax.jit)")
-    diag.add_argument(
-        "--args",
-        help="locator path/to/file.py:make_args, a function returning the arguments as a tuple "
-        "(jax.ShapeDtypeStruct allocates nothing)",
-    )
-    diag.add_argument(
-        "--target",
-        help=f"compile for this device and say whether it fits: {', '.join(target_names())}",
-    )
-    diag.add_argument("--json", action="store_true", help="print one JSON object")
+    _program_arguments(diag, "compile for this device and say whether it fits")
     watch = sub.add_parser(
         "watch",
         help="run your own training loop under runbook.watch: what grows, what recompiles",
@@ -85,18 +90,8 @@ def _parser() -> argparse.ArgumentParser:
         help="the bytes your own function holds over its compiled schedule, and the buffers "
         "live at its peak",
     )
-    line.add_argument("function", help="locator path/to/file.py:function (a function or a jax.jit)")
-    line.add_argument(
-        "--args",
-        help="locator path/to/file.py:make_args, a function returning the arguments as a tuple "
-        "(jax.ShapeDtypeStruct allocates nothing)",
-    )
-    line.add_argument(
-        "--target",
-        help=f"compile for this device instead of this machine's backend: {', '.join(target_names())}",
-    )
+    _program_arguments(line, "compile for this device instead of this machine's backend")
     line.add_argument("--png", metavar="FILE", help="also draw the chart into this PNG file")
-    line.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _targets
@@ -41,6 +41,34 @@ class Dominant:
     shape: str
     kinds: tuple[str, ...]
     steps: int | None = None
+
+    @staticmethod
+    def group(
+        buffers: Iterable[Buffer],
+        op: Callable[[Buffer], str],
+        steps: Callable[[Buffer], int | None] = lambda b: None,
+    ) -> list[Dominant]:
+        """`buffers` grouped by `op(buffer)` and source line, largest group first; `steps`
+        says where a loop stacks a buffer per step."""
+        groups: dict[tuple[str, str], list[Buffer]] = {}
+        for b in buffers:
+            groups.setdefault((op(b), b.source or "-"), []).append(b)
+        found = []
+        for (name, source), members in groups.items():
+            members.sort(key=lambda b: -b.size)
+            stacked = [n for b in members if (n := steps(b)) is not None]
+            found.append(
+                Dominant(
+                    name,
+                    source,
+                    len(members),
+                    sum(b.size for b in members),
+                    members[0].shape,
+                    tuple(dict.fromkeys(b.kind or "-" for b in members)),
+                    max(stacked) if stacked else None,
+                )
+            )
+        return sorted(found, key=lambda g: -g.bytes)
 
     def describe(self, whole: int) -> str:
         share = f"{min(self.bytes / whole, 1.0):.0%} " if whole else ""
@@ -169,27 +197,11 @@ class Diagnosis:
     def dominant(self, count: int = 5) -> list[Dominant]:
         """What dominates the program: its buffers grouped by the JAX operation and source
         line that made them, largest first, each marked where a loop stacks it per step."""
-        groups: dict[tuple[str, str], list[Buffer]] = {}
-        for b in self.report.buffers:
-            if b.kind in ("argument", "output", "temp", "constant"):
-                groups.setdefault((b.op or "-", b.source or "-"), []).append(b)
-        found = []
-        for (op, source), members in groups.items():
-            members.sort(key=lambda b: -b.size)
-            steps = [self.stacked[n] for b in members if (n := _name(b)) in self.stacked]
-            found.append(
-                Dominant(
-                    op,
-                    source,
-                    len(members),
-                    sum(b.size for b in members),
-                    members[0].shape,
-                    tuple(dict.fromkeys(b.kind for b in members)),
-                    max(steps) if steps else None,
-                )
-            )
-        found.sort(key=lambda g: -g.bytes)
-        return found[:count]
+        kept = [
+            b for b in self.report.buffers if b.kind in ("argument", "output", "temp", "constant")
+        ]
+        groups = Dominant.group(kept, lambda b: b.op or "-", lambda b: self.stacked.get(_name(b)))
+        return groups[:count]
 
     def _nothing_found(self) -> list[str]:
         """The text for a program no detector recognised: what dominates, and what comes

@@ -113,23 +113,8 @@ class Explanation:
     def dominant(self, count: int = 3) -> list[Dominant]:
         """The listed buffers grouped by the JAX operation and source line that made them,
         largest first (what dominates where no case matches)."""
-        groups: dict[tuple[str, str], list[Buffer]] = {}
-        for b in self.buffers:
-            op = b.op or {"argument": "(an argument)", "output": "(an output)"}.get(b.kind, "-")
-            groups.setdefault((op, b.source or "-"), []).append(b)
-        found = [
-            Dominant(
-                op,
-                source,
-                len(members),
-                sum(b.size for b in members),
-                members[0].shape,
-                tuple(dict.fromkeys(b.kind or "-" for b in members)),
-            )
-            for (op, source), members in groups.items()
-        ]
-        found.sort(key=lambda g: -g.bytes)
-        return found[:count]
+        labels = {"argument": "(an argument)", "output": "(an output)"}
+        return Dominant.group(self.buffers, lambda b: b.op or labels.get(b.kind, "-"))[:count]
 
     def summary(self) -> list[str]:
         """The message in plain terms: who reported it and needed against available."""
