@@ -74,8 +74,10 @@ def as_jax(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, tuple[An
     own = _Split(fn)
     holds = bool(own.arrays)
     leaves = jax.tree_util.tree_leaves(args)
-    if not holds and all(_array(x) or _number(x) for x in leaves):
-        return fn, args  # what jax.jit(fn) takes as it is
+    # What jax.jit(fn) takes as it is; an object with a `lower` of its own that is not
+    # JAX's (equinox.filter_jit) lowers to something else, so it is wrapped like a module.
+    if not holds and not hasattr(fn, "lower") and all(_array(x) or _number(x) for x in leaves):
+        return fn, args
     splits = [_Split(a) for a in args]
 
     def program(*arrays: Any) -> Any:

@@ -22,7 +22,7 @@ from . import _cache, _targets
 from ._buffers import Buffer, allocation_sizes
 from ._errors import DoesNotFitError, RunbookError
 from ._hlo import read_dump
-from ._inputs import as_jax, quiet_donation
+from ._inputs import as_jax, quiet_donation, staged
 from ._provenance import Provenance
 from ._quiet import start_backend
 
@@ -117,7 +117,7 @@ def _is_pmap(fn: Any) -> bool:
 
 def _lowerable(fn: Callable[..., Any]) -> Any:
     # jax.jit / jax.pmap objects lower themselves; plain functions get a jit.
-    return fn if hasattr(fn, "lower") else jax.jit(fn)
+    return fn if staged(fn) else jax.jit(fn)
 
 
 def _first_line(error: Exception, limit: int = 200) -> str:

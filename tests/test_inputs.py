@@ -99,6 +99,10 @@ def test_equinox_modules_and_filter_jit_functions_as_they_are():
         grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(model)
         return eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
 
+    # A filter_jit function of arrays alone: equinox's own `lower` gives no memory figures.
+    doubled = runbook.measure(eqx.filter_jit(lambda x: x * 2), X)
+    assert doubled.argument == doubled.output == 64 * D * 4
+
     kept = runbook.diagnose(eqx.filter_jit(step), mlp, X, measure_fixes=False)
     donated = runbook.diagnose(eqx.filter_jit(step, donate="all"), mlp, X, measure_fixes=False)
     assert "donation" in kept.cases
