@@ -14,7 +14,7 @@ from ._errors import DoesNotFitError
 from ._locator import call_located
 from ._measure import MemoryReport
 from ._program import Finding, NearMiss, Program
-from ._render import Table, fmt_bytes
+from ._render import Table, buffer_table, fmt_bytes
 
 __all__ = ["Diagnosis", "Dominant", "Finding", "diagnose"]
 
@@ -102,6 +102,11 @@ class Diagnosis:
             the loop's steps; see `Program.stacked_per_step`).
         near_misses: mechanisms the detectors saw part of without naming them, largest
             first (cases the findings name left out); see `closest`.
+        peak: the most bytes live at one point of the compiled schedule (`runbook.timeline`;
+            None where the compiler wrote no live ranges).
+        at_peak: the memory live at that point, largest first, each with the JAX operation
+            and source line that made it.
+        peak_instruction: the instruction at that point, with what made it.
     """
 
     report: MemoryReport
@@ -111,6 +116,9 @@ class Diagnosis:
     seconds: float = 0.0
     stacked: Mapping[str, int] = dataclasses.field(default_factory=dict)
     near_misses: tuple[NearMiss, ...] = ()
+    peak: int | None = None
+    at_peak: tuple[Buffer, ...] = ()
+    peak_instruction: str = ""
 
     @property
     def closest(self) -> NearMiss | None:
@@ -217,7 +225,29 @@ class Diagnosis:
         lines += [f"  {line}" for line in _closest_lines(self)]
         lines.append("The largest buffers:")
         lines += [f"  {_buffer_line(b)}" for b in self.report.buffers[:3]]
+        return lines + self._peak_lines()
+
+    def _peak_heading(self) -> str:
+        return (
+            f"Live at the peak, {fmt_bytes(self.peak or 0)} at {self.peak_instruction} "
+            f"(runbook.timeline draws the whole schedule); the largest:"
+        )
+
+    def _peak_lines(self, count: int = 5) -> list[str]:
+        """The memory live at the schedule's peak, largest first ([] without live ranges)."""
+        if self.peak is None:
+            return []
+        lines = [self._peak_heading()]
+        lines += [f"  {_buffer_line(b)}" for b in self.at_peak[:count]]
+        if len(self.at_peak) > count:
+            lines.append(f"  ... and {len(self.at_peak) - count} more")
         return lines
+
+    def _peak_html(self) -> str:
+        if self.peak is None:
+            return ""
+        table = buffer_table(self.at_peak[:10])._repr_html_()
+        return f"<details><summary>{html.escape(self._peak_heading())}</summary>{table}</details>"
 
     def _share(self, f: Finding) -> str:
         """`f`'s bytes against everything the program holds (its total and its constants)."""
@@ -285,6 +315,7 @@ class Diagnosis:
                 f"{fmt_bytes(whole)}; the largest buffers outside them:"
             )
             lines += [f"  {_buffer_line(b)}" for b in self.unexplained(3)]
+        lines += self._peak_lines()
         for c in self.report.caveats:
             lines.append(f"Caveat: {c}")
         return "\n".join(lines)
@@ -314,7 +345,7 @@ class Diagnosis:
             parts.append(
                 "<p>No known mechanism found. What dominates, by the JAX operation and source "
                 f'line that made it:</p><table class="runbook-table"><thead><tr>{head}</tr>'
-                f"</thead><tbody>{table}</tbody></table>{closest}</div>"
+                f"</thead><tbody>{table}</tbody></table>{closest}{self._peak_html()}</div>"
             )
             return "".join(parts)
         head = "".join(
@@ -342,7 +373,7 @@ class Diagnosis:
             )
         parts.append(
             f'<table class="runbook-table"><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(rows)}</tbody></table></div>"
+            f"<tbody>{''.join(rows)}</tbody></table>{self._peak_html()}</div>"
         )
         return "".join(parts)
 
@@ -356,6 +387,9 @@ class Diagnosis:
             "seconds": self.seconds,
             "stacked": dict(self.stacked),
             "near_misses": [dataclasses.asdict(m) for m in self.near_misses],
+            "peak": self.peak,
+            "at_peak": [dataclasses.asdict(b) for b in self.at_peak],
+            "peak_instruction": self.peak_instruction,
         }
 
     @classmethod
@@ -374,6 +408,9 @@ class Diagnosis:
             record.get("seconds", 0.0),
             dict(record.get("stacked", {})),
             tuple(NearMiss(**m) for m in record.get("near_misses", ())),
+            record.get("peak"),
+            tuple(Buffer(**b) for b in record.get("at_peak", ())),
+            record.get("peak_instruction", ""),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -402,6 +439,13 @@ class Diagnosis:
             "seconds": round(self.seconds, 3),
             "dominant": [g.to_json() for g in self.dominant()] if not self.findings else [],
             **({"closest": _closest_json(self)} if not self.findings else {}),
+            "peak": None
+            if self.peak is None
+            else {
+                "bytes": self.peak,
+                "instruction": self.peak_instruction,
+                "live": [dataclasses.asdict(b) for b in self.at_peak],
+            },
         }
 
 
@@ -497,10 +541,28 @@ def diagnose(
     findings = [f for detect in (detectors or DETECTORS) for f in detect(program)]
     findings.sort(key=lambda f: -f.bytes)
     misses = tuple(near_misses(program, findings, detectors))
+    peak = _peak(program)
     seconds = time.perf_counter() - start
     return Diagnosis(
-        program.report, tuple(findings), t, refused, seconds, program.stacked_per_step(), misses
+        program.report,
+        tuple(findings),
+        t,
+        refused,
+        seconds,
+        program.stacked_per_step(),
+        misses,
+        *peak,
     )
+
+
+def _peak(program: Program) -> tuple[int | None, tuple[Buffer, ...], str]:
+    """The schedule's peak, what is live at it and where (nothing without live ranges)."""
+    from ._timeline import of_program  # it shows buffers as this module does
+
+    if not program.schedule:
+        return None, (), ""
+    found = of_program(program)
+    return found.peak, found.at_peak, found.peak_instruction
 
 
 # --- the command line: `python -m runbook diagnose file.py:function --args file.py:make_args`

@@ -715,3 +715,26 @@ def test_cpu_widening_of_bfloat16_products_is_a_caveat_with_its_bytes():
         )
         == []
     )
+
+
+def test_diagnosis_lists_the_memory_live_at_the_schedules_peak():
+    """jax-ml/jax#9530: the buffers live at the peak, with what made them, in the output."""
+
+    def step(w, x):
+        h = jnp.tanh(x @ w)  # [512, 256]: live beside its product at the peak
+        return (h @ w.T).sum()
+
+    args = (
+        jax.ShapeDtypeStruct((256, 256), jnp.float32),
+        jax.ShapeDtypeStruct((512, 256), jnp.float32),
+    )
+    found = runbook.diagnose(step, *args)
+    line = runbook.timeline(step, *args)
+    assert found.peak == line.peak
+    assert found.at_peak == line.at_peak
+    assert sum(b.size for b in found.at_peak) == found.peak
+    assert any(b.source and "test_diagnose.py" in b.source for b in found.at_peak)
+    assert "Live at the peak" in str(found)
+    assert "Live at the peak" in found._repr_html_()
+    assert runbook.Diagnosis.from_record(found.to_record()).at_peak == found.at_peak
+    assert json.loads(json.dumps(found.to_json()))["peak"]["bytes"] == found.peak
