@@ -193,6 +193,16 @@ def oom(session: nox.Session) -> None:
     session.run("python", "-m", "runbook.site.producers.oom", *session.posargs, env=CPU_ONLY)
 
 
+@nox.session(default=False, name="timeline-check")
+def timeline_check(session: nox.Session) -> None:
+    """runbook.timeline's peak against a real run's, on this machine's CPU, for every
+    variant of the single-device compile-time cases: docs/_data/timeline/cpu.json."""
+    session.install("-e.")
+    session.run(
+        "python", "-m", "runbook.site.producers.timeline_check", *session.posargs, env=CPU_ONLY
+    )
+
+
 @nox.session(default=False, venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """Real peaks on this machine's GPU, with the Python on PATH (a CUDA build of JAX).

@@ -267,3 +267,32 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
     )
     assert main(["timeline", f"{user}:chain", "--target", "h99"]) == 2
     assert "unknown target 'h99'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("case", "variant"),
+    [("gather-grad", "grad"), ("prng-temporaries", "threefry"), ("donation", "donated")],
+)
+def test_the_peak_agrees_with_a_real_run_on_cpu(case, variant):
+    from runbook.site.producers import timeline_check
+
+    found = timeline_check.check(case, variant)
+    assert found["peak"] <= found["total"]
+    assert found["agrees"], found
+
+
+def test_the_committed_real_run_check_covers_every_single_program_variant():
+    from runbook.site.producers import timeline_check
+
+    data = timeline_check.load()
+    rows = {(r["case"], r["variant"]) for r in data["rows"]}
+    if data["provenance"]["jax"] == jax.__version__:  # which variants exist is per release
+        assert rows == set(timeline_check.variants())
+    else:
+        assert rows <= {
+            (c, v.name) for c in runbook.case_names() for v in runbook.get_case(c).variants
+        }
+    assert data["provenance"]["backend"] == "cpu"
+    assert data["provenance"]["jax"]
+    assert all(r["peak"] <= r["total"] for r in data["rows"])
+    assert "agree" in timeline_check.table(data).caption

@@ -1,0 +1,146 @@
+"""Check `runbook.timeline` against real runs on CPU: docs/_data/timeline/cpu.json.
+
+    nox -s timeline-check    (python -m runbook.site.producers.timeline_check [--out FILE])
+
+For every variant of every single-device case that compiles one program (the run-time
+cases' problems lie between programs), at the case's runnable scale: the timeline's peak,
+the compiled total, and the peak a real execution reaches in a fresh process
+(`runbook.runtime_peak`: the resident set's high-water mark less what the process held
+before its inputs). Both compiles use the same options, XLA:CPU's YNNPACK fusion off as
+`runbook.timeline` has it, so that the run executes the program the timeline describes.
+The measuring page shows the file; the tests run `check` afresh on a few variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from runbook._case import case_names, get_case
+from runbook._program import Program, cpu_accounting_options
+from runbook._provenance import Provenance
+from runbook._render import Table, fmt_bytes
+from runbook._runtime import ABS_TOLERANCE, REL_TOLERANCE, agreement, runtime_peak
+from runbook._timeline import of_program
+
+OUT = pathlib.Path(__file__).resolve().parents[3] / "docs" / "_data" / "timeline" / "cpu.json"
+
+
+def variants() -> Iterator[tuple[str, str]]:
+    """(case, variant): every non-baseline variant of the single-device compile-time cases
+    that this machine's CPU compiler can build."""
+    for name in case_names():
+        case = get_case(name)
+        if case.devices > 1 or case.runtime:
+            continue
+        for v in case.variants:
+            unusable = v.unavailable is not None and v.unavailable("cpu")
+            if v.role != "baseline" and case.available(v) and not unusable:
+                yield name, v.name
+
+
+def check(name: str, variant: str) -> dict[str, Any]:
+    """One variant at its case's runnable scale: timeline peak, compiled total, real peak
+    (bytes per device), and whether the real peak agrees with the timeline's."""
+    case = get_case(name)
+    v = case.variant(variant)
+    options = {**cpu_accounting_options(), **case.options()}
+    real = runtime_peak(name, variant, compiler_options=options, repeats=0)
+    size = case.scale(case.runnable_scale)
+    with warnings.catch_warnings():  # a fix donating what no output can reuse
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        program = Program.compile(
+            v.program(real.params),
+            *case.inputs(v, size, real.params, False),
+            compiler_options=options,
+            name=variant,
+            measure_fixes=False,
+        )
+    line = of_program(program)
+    if line.total != real.predicted:
+        raise AssertionError(f"{name}/{variant}: the run compiled another program")
+    return {
+        "case": name,
+        "variant": variant,
+        "role": v.role,
+        "scale": case.runnable_scale,
+        "params": dict(real.params),
+        "peak": line.peak,
+        "total": line.total,
+        "measured": real.measured,
+        "agrees": agrees(real.measured, line.peak),
+    }
+
+
+def agrees(measured: int, predicted: int) -> bool:
+    """The runtime rule (`runbook._runtime.agreement`), against the timeline's peak."""
+    return abs(measured - predicted) <= REL_TOLERANCE * predicted + ABS_TOLERANCE
+
+
+def load(path: str | pathlib.Path = OUT) -> dict[str, Any]:
+    """The committed check: ``provenance`` and ``rows``."""
+    data: dict[str, Any] = json.loads(pathlib.Path(path).read_text())
+    return data
+
+
+def table(data: dict[str, Any] | None = None) -> Table:
+    """The check as the measuring page shows it, its provenance in the caption."""
+    data = data or load()
+    p = Provenance(**data["provenance"])
+    rows = [
+        [
+            f"{r['case']} / {r['variant']}",
+            fmt_bytes(r["peak"]),
+            fmt_bytes(r["total"]),
+            fmt_bytes(r["measured"]),
+            f"{r['measured'] / r['peak']:.2f}",
+            "agrees"
+            if r["agrees"]
+            else "real run higher"
+            if r["measured"] > r["peak"]
+            else "lower",
+        ]
+        for r in data["rows"]
+    ]
+    agreeing = sum(r["agrees"] for r in data["rows"])
+    return Table(
+        [
+            "case / variant",
+            "timeline peak",
+            "compiled total",
+            "real peak",
+            "real / peak",
+            "verdict",
+        ],
+        rows,
+        f"{agreeing} of {len(rows)} agree ({data['rule']}). Each case at its runnable scale, "
+        f"{p.label()}, {p.date}; made by `nox -s timeline-check` (docs/_data/timeline/).",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=OUT)
+    out = parser.parse_args(argv).out
+    rows = []
+    for name, variant in variants():
+        rows.append(check(name, variant))
+        r = rows[-1]
+        print(f"{name}/{variant}: peak {r['peak']:,} real {r['measured']:,}", file=sys.stderr)
+    data = {
+        "provenance": dataclasses.asdict(Provenance.current()),
+        "rule": f"real peak {agreement()} of the timeline's peak",
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
