@@ -296,3 +296,17 @@ def test_the_committed_real_run_check_covers_every_single_program_variant():
     assert data["provenance"]["jax"]
     assert all(r["peak"] <= r["total"] for r in data["rows"])
     assert "agree" in timeline_check.table(data).caption
+
+
+def test_a_measured_report_draws_its_own_timeline():
+    def f(x):
+        return jnp.cos(jnp.sin(x)) @ x
+
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    report = runbook.measure(f, x)
+    t = report.timeline()
+    assert t.total == report.total
+    assert t.peak == runbook.timeline(f, x).peak
+    assert report == runbook.MemoryReport.from_record(report.to_record())
+    with pytest.raises(runbook.RunbookError, match=r"runbook\.timeline"):
+        runbook.MemoryReport.from_record(report.to_record()).timeline()
