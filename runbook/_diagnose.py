@@ -203,11 +203,18 @@ class Diagnosis:
         return rest[:count]
 
     def dominant(self, count: int = 5) -> list[Dominant]:
-        """What dominates the program: its buffers grouped by the JAX operation and source
-        line that made them, largest first, each marked where a loop stacks it per step."""
-        kept = [
-            b for b in self.report.buffers if b.kind in ("argument", "output", "temp", "constant")
-        ]
+        """What dominates the program: the memory live at its peak (`at_peak`) grouped by
+        the JAX operation and source line that made it, largest first, each marked where a
+        loop stacks it per step. Each piece of memory counts once, so the groups never sum
+        past the total. Where the compiler wrote no live ranges: every buffer, grouped."""
+        if self.peak is not None:
+            kept = list(self.at_peak)
+        else:
+            kept = [
+                b
+                for b in self.report.buffers
+                if b.kind in ("argument", "output", "temp", "constant")
+            ]
         groups = Dominant.group(kept, lambda b: b.op or "-", lambda b: self.stacked.get(_name(b)))
         return groups[:count]
 
@@ -217,8 +224,8 @@ class Diagnosis:
         whole = self.report.total + self.constants
         lines = [
             (
-                "No known mechanism found. What dominates, by the JAX operation and source "
-                "line that made it (bytes, share of the total):"
+                "No known mechanism found. What dominates at the peak, by the JAX operation "
+                "and source line that made it (bytes, share of the total):"
             )
         ]
         lines += [f"  {g.describe(whole)}" for g in self.dominant()]
@@ -343,8 +350,8 @@ class Diagnosis:
             )  # fmt: skip
             closest = "".join(f"<p>{e(line)}</p>" for line in _closest_lines(self))
             parts.append(
-                "<p>No known mechanism found. What dominates, by the JAX operation and source "
-                f'line that made it:</p><table class="runbook-table"><thead><tr>{head}</tr>'
+                "<p>No known mechanism found. What dominates at the peak, by the JAX operation "
+                f'and source line that made it:</p><table class="runbook-table"><thead><tr>{head}</tr>'
                 f"</thead><tbody>{table}</tbody></table>{closest}{self._peak_html()}</div>"
             )
             return "".join(parts)
@@ -450,7 +457,8 @@ class Diagnosis:
 
 
 def _name(b: Buffer) -> str:
-    """A buffer's HLO instruction name (its `instruction` is ``"name (opcode)"``)."""
+    """A buffer's HLO instruction name (its `instruction` is ``"name (opcode)"``, or
+    ``"name{index} (opcode)"`` for an element of a tuple: the index kept)."""
     return b.instruction.split(" (")[0]
 
 

@@ -447,6 +447,8 @@ class Program:
         An instruction of a loop's body (or of a loop inside it) that computes a
         dynamic-update-slice, with a leading dimension equal to the loop's known trip count:
         a scan's stacked outputs, and what a gradient stores per step for its backward pass.
+        The loop's own result element that carries such an array out of the loop is listed
+        too, as ``"while.3{2}"`` (the name and tuple index a timeline's buffer carries).
         """
         found: dict[str, int] = {}
         for loop in self.module.instructions.values():
@@ -462,6 +464,11 @@ class Program:
                     and self.module.through(inst).opcode == "dynamic-update-slice"
                 ):
                     found.setdefault(inst.name, steps)
+            root = self.module.root(body[1]) if body else None
+            if root is not None and root.opcode == "tuple":
+                for k, name in enumerate(root.operands):
+                    if name in found:
+                        found.setdefault(f"{loop.name}{{{k}}}", steps)
         return found
 
     @functools.cached_property

@@ -549,7 +549,9 @@ def test_terminal_rendering(gather_diagnosis):
 
 def test_html_rendering(gather_diagnosis):
     page = gather_diagnosis._repr_html_()
-    assert page.count("<tr>") == 1 + len(gather_diagnosis.findings)
+    findings, peak = page.split("<details><summary>Live at the peak")  # then the peak's table
+    assert findings.count("<tr>") == 1 + len(gather_diagnosis.findings)
+    assert peak.count("<tr>") == 1 + min(10, len(gather_diagnosis.at_peak))
     assert '<a href="cases/gather-grad.html#fix">' in page
 
 
