@@ -14,7 +14,8 @@ from ._errors import DoesNotFitError
 from ._locator import call_located
 from ._measure import MemoryReport
 from ._program import Finding, NearMiss, Program
-from ._render import Table, buffer_table, fmt_bytes
+from ._render import Table, buffer_line, buffer_table, fmt_bytes
+from ._timeline import of_program
 
 __all__ = ["Diagnosis", "Dominant", "Finding", "diagnose"]
 
@@ -231,7 +232,7 @@ class Diagnosis:
         lines += [f"  {g.describe(whole)}" for g in self.dominant()]
         lines += [f"  {line}" for line in _closest_lines(self)]
         lines.append("The largest buffers:")
-        lines += [f"  {_buffer_line(b)}" for b in self.report.buffers[:3]]
+        lines += [f"  {buffer_line(b)}" for b in self.report.buffers[:3]]
         return lines + self._peak_lines()
 
     def _peak_heading(self) -> str:
@@ -245,7 +246,7 @@ class Diagnosis:
         if self.peak is None:
             return []
         lines = [self._peak_heading()]
-        lines += [f"  {_buffer_line(b)}" for b in self.at_peak[:count]]
+        lines += [f"  {buffer_line(b)}" for b in self.at_peak[:count]]
         if len(self.at_peak) > count:
             lines.append(f"  ... and {len(self.at_peak) - count} more")
         return lines
@@ -312,7 +313,7 @@ class Diagnosis:
             )
             lines.append(f"   seen: {f.detail}")
             lines.append(f"   fix:  {f.fix}")
-            lines += [f"     {_buffer_line(b)}" for b in f.evidence[:4]]
+            lines += [f"     {buffer_line(b)}" for b in f.evidence[:4]]
             if len(f.evidence) > 4:
                 lines.append(f"     ... and {len(f.evidence) - 4} more")
         whole = self.report.total + self.constants
@@ -321,7 +322,7 @@ class Diagnosis:
                 f"The findings account for {fmt_bytes(self.explained)} of "
                 f"{fmt_bytes(whole)}; the largest buffers outside them:"
             )
-            lines += [f"  {_buffer_line(b)}" for b in self.unexplained(3)]
+            lines += [f"  {buffer_line(b)}" for b in self.unexplained(3)]
         lines += self._peak_lines()
         for c in self.report.caveats:
             lines.append(f"Caveat: {c}")
@@ -367,9 +368,7 @@ class Diagnosis:
             fix = e(f.fix)
             if f.link:
                 fix = fix.replace(e(f.link), f'<a href="{e(f.link)}">{e(f.link)}</a>')
-            evidence = "".join(
-                f"<li><code>{e(_buffer_line(b))}</code></li>" for b in f.evidence[:6]
-            )
+            evidence = "".join(f"<li><code>{e(buffer_line(b))}</code></li>" for b in f.evidence[:6])
             pattern = e(f.pattern) + (" <em>(informational)</em>" if f.informational else "")
             saving = fmt_bytes(f.saving) if f.saving is not None else "-"
             rows.append(
@@ -475,13 +474,6 @@ def _closest_json(d: Diagnosis) -> dict[str, Any] | None:
     return d.closest.to_json() if d.closest else None
 
 
-def _buffer_line(b: Any) -> str:
-    return (
-        f"{fmt_bytes(b.size):>10}  {b.shape}  {b.kind}  {b.instruction}  {b.op or '-'}  "
-        f"{b.source or '-'}"
-    )
-
-
 def diagnose(
     fn: Callable[..., Any],
     *args: Any,
@@ -565,8 +557,6 @@ def diagnose(
 
 def _peak(program: Program) -> tuple[int | None, tuple[Buffer, ...], str]:
     """The schedule's peak, what is live at it and where (nothing without live ranges)."""
-    from ._timeline import of_program  # it shows buffers as this module does
-
     if not program.schedule:
         return None, (), ""
     found = of_program(program)

@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
@@ -25,9 +25,6 @@ from ._hlo import read_dump
 from ._inputs import as_jax, quiet_donation, staged
 from ._provenance import Provenance
 from ._quiet import start_backend
-
-if TYPE_CHECKING:
-    from ._timeline import Timeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,26 +68,6 @@ class MemoryReport:
     def overhead(self) -> float:
         """total / lower bound: 1.0 means nothing beyond what must exist."""
         return self.total / self.lower_bound if self.lower_bound else float("inf")
-
-    def timeline(self) -> Timeline:
-        """The program's bytes live over its schedule: `runbook.timeline` of the function and
-        arguments `measure` compiled, with its options, target and name.
-
-        Compiled again, as `runbook.timeline` compiles (on CPU, with XLA:CPU's YNNPACK fusion
-        off unless the options set it), so its total can differ from this report's where
-        that fusion ran. Only a report `runbook.measure` returned in this process knows its
-        program; one read back from a record raises `RunbookError`.
-        """
-        origin = getattr(self, "_origin", None)
-        if origin is None:
-            raise RunbookError(
-                f"report {self.name!r} does not know its program (it was read back from a "
-                "record): call runbook.timeline(fn, *args) instead"
-            )
-        from ._timeline import timeline
-
-        fn, args, target, options = origin
-        return timeline(fn, *args, target=target, compiler_options=options, name=self.name)
 
     def to_record(self) -> dict[str, Any]:
         """Everything, buffers and provenance included, as JSON-able data (`from_record`)."""
@@ -357,8 +334,8 @@ def _known(
     target: _targets.Target | None,
     options: dict[str, Any],
 ) -> MemoryReport:
-    """`report`, knowing the program it measured (for `MemoryReport.timeline`; not a field:
-    records and comparisons leave it out)."""
+    """`report`, knowing the program it measured (for `runbook.timeline(report)`; not a
+    field: records and comparisons leave it out)."""
     object.__setattr__(report, "_origin", (fn, args, target, options))
     return report
 

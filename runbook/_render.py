@@ -123,6 +123,14 @@ def figures_table(reports: Sequence[MemoryReport], caption: str = "") -> Table:
     return Table(["variant", "params", *names], rows, caption)
 
 
+def buffer_line(b: Buffer) -> str:
+    """One buffer on one line: size, shape, kind, HLO instruction, JAX operation, source."""
+    return (
+        f"{fmt_bytes(b.size):>10}  {b.shape}  {b.kind}  {b.instruction}  {b.op or '-'}  "
+        f"{b.source or '-'}"
+    )
+
+
 def buffer_table(buffers: Sequence[Buffer], caption: str = "") -> Table:
     """The largest buffers: size, shape, kind, the instruction and source line that made it."""
     rows = [

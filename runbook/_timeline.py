@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import _targets
 from ._buffers import Buffer
-from ._diagnose import _buffer_line
 from ._errors import RunbookError
 from ._hlo import Value
 from ._locator import call_located
 from ._measure import MemoryReport
 from ._program import Program
 from ._provenance import Provenance
-from ._render import Table, _unit, buffer_table, fmt_bytes
+from ._render import Table, _unit, buffer_line, buffer_table, fmt_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -173,7 +172,7 @@ class Timeline:
 
     def __str__(self) -> str:
         lines = [f"Timeline of {self._caption()}", "Largest live at the peak:"]
-        lines += [f"  {_buffer_line(b)}" for b in self.at_peak[:5]]
+        lines += [f"  {buffer_line(b)}" for b in self.at_peak[:5]]
         if len(self.at_peak) > 5:
             lines.append(f"  ... and {len(self.at_peak) - 5} more")
         if self.unranged:
@@ -269,7 +268,7 @@ class Timeline:
 
 
 def timeline(
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | MemoryReport,
     *args: Any,
     target: str | _targets.Target | None = None,
     compiler_options: Mapping[str, Any] | None = None,
@@ -279,7 +278,10 @@ def timeline(
 
     Args:
         fn: what `runbook.diagnose` takes: a function, a `jax.jit` / `jax.pmap` object,
-            an `equinox.filter_jit` function or a module called as one.
+            an `equinox.filter_jit` function or a module called as one. Or a
+            `MemoryReport` that `runbook.measure` returned in this process, alone: its
+            program, arguments, target and options (compiled again, as below, so its total
+            can differ from the report's where XLA:CPU's YNNPACK fusion ran).
         *args: concrete arrays or `jax.ShapeDtypeStruct`s (nothing is allocated).
         target: compile for this device (a name from `runbook.targets()`) instead of this
             process's backend.
@@ -303,6 +305,16 @@ def timeline(
         >>> t.peak == t.total == 2 * 4096  # x, and cos(sin(x)) (one fused kernel)
         True
     """
+    if isinstance(fn, MemoryReport):
+        origin = getattr(fn, "_origin", None)
+        if origin is None or args:
+            raise RunbookError(
+                f"report {fn.name!r} does not know its program (only a report "
+                "runbook.measure returned in this process does, passed alone): call "
+                "runbook.timeline(fn, *args) instead"
+            )
+        measured, args, target, options = origin
+        return timeline(measured, *args, target=target, compiler_options=options, name=fn.name)
     t = _targets.resolve(target)
     program = Program.compile(
         fn, *args, target=t, compiler_options=compiler_options, name=name, measure_fixes=False

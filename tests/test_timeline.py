@@ -304,9 +304,9 @@ def test_a_measured_report_draws_its_own_timeline():
 
     x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
     report = runbook.measure(f, x)
-    t = report.timeline()
+    t = runbook.timeline(report)
     assert t.total == report.total
     assert t.peak == runbook.timeline(f, x).peak
     assert report == runbook.MemoryReport.from_record(report.to_record())
-    with pytest.raises(runbook.RunbookError, match=r"runbook\.timeline"):
-        runbook.MemoryReport.from_record(report.to_record()).timeline()
+    with pytest.raises(runbook.RunbookError, match=r"runbook\.timeline\(fn"):
+        runbook.timeline(runbook.MemoryReport.from_record(report.to_record()))
