@@ -154,3 +154,33 @@ def test_cli_json(capsys):
         b = v["bytes"]
         assert b["total"] == b["argument"] + b["output"] + b["temp"] - b["alias"]
         assert v["lower_bound"] > 0
+
+
+@pytest.fixture
+def debug_nans():
+    before = jax.config.jax_debug_nans
+    jax.config.update("jax_debug_nans", True)
+    yield
+    jax.config.update("jax_debug_nans", before)
+
+
+def test_debug_nans_drops_the_donation_asked_for_and_diagnose_says_so(debug_nans):
+    def step(state, grad):
+        return state - 0.1 * grad
+
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    (found,) = runbook.diagnose(jax.jit(step, donate_argnums=0), x, x).findings
+    assert found.pattern == "donation turned off by jax_debug_nans"
+    assert found.saving == found.bytes == 1024 * 1024 * 4
+    assert "jax_debug_nans" in found.fix
+    # Without a donation asked for, the usual advice: donate.
+    (plain,) = runbook.diagnose(jax.jit(step), x, x).findings
+    assert plain.pattern == "state outputs not donated"
+
+
+def test_the_debug_nans_claim_is_measured_on_fresh_traces():
+    found = page.debug_nans_aliases("tiny")
+    assert found["off"] > 0
+    assert found["kept"] == found["off"]  # traced before the flag: its donation stays
+    assert found["on"] == 0
+    assert not jax.config.jax_debug_nans  # the flag is restored

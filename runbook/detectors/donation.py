@@ -8,7 +8,10 @@ once. Donating lets the outputs reuse the inputs' buffers.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -20,6 +23,7 @@ from ._common import state_pairs
 
 MIN_SHARE = 0.10  # of the program's total: undonated state below this is not reported
 PATTERN = "state outputs not donated"
+BLOCKED = "donation turned off by jax_debug_nans"
 CASE = "donation"
 
 
@@ -32,13 +36,32 @@ def rule() -> str:
     )
 
 
+def donation_blocked(fn: Any) -> bool:
+    """Whether `fn` is a `jax.jit` asked to donate while ``jax_debug_nans`` is on: JAX then
+    traces it with no donation at all (jax-ml/jax#12514, the donation page's claim)."""
+    info = getattr(fn, "_jit_info", None)  # JAX's private record of what jit was asked
+    asked = info is not None and bool(info.donate_argnums or info.donate_argnames)
+    return asked and bool(jax.config.jax_debug_nans)
+
+
+@contextlib.contextmanager
+def _debug_nans_off() -> Iterator[None]:
+    before = jax.config.jax_debug_nans
+    jax.config.update("jax_debug_nans", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_debug_nans", before)
+
+
 def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
-    """The program's total with `argnums` donated (compiled the same way), or None."""
+    """The program's total with `argnums` donated (compiled the same way, with
+    ``jax_debug_nans`` off while it traces: on, JAX would donate nothing), or None."""
     if _is_pmap(program.fn):
         return None  # jax.pmap: donation is its own argument; not applied mechanically
     donated = jax.jit(program.fn, donate_argnums=argnums)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _debug_nans_off():
             warnings.simplefilter("ignore")  # "some donated buffers were not usable"
             # Only its figures are read: no dump to write and parse.
             stats = compile_fn(
@@ -75,6 +98,25 @@ def detect(program: Program) -> list[Finding]:
         else ""
     )
     names = ", ".join(p.parameter.path for p in pairs[:3]) + (", ..." if len(pairs) > 3 else "")
+    detail = (
+        f"{len(pairs)} output(s) are computed from an input of the same shape ({names}) and "
+        f"reuse none of the inputs' memory: {fmt_bytes(nbytes)} held twice."
+    )
+    if donation_blocked(program.fn):
+        return [
+            finding(
+                BLOCKED,
+                CASE,
+                nbytes,
+                [program.buffer(p.output) for p in pairs],
+                "Turn jax_debug_nans off where memory matters "
+                "(jax.config.update('jax_debug_nans', False)) and trace the step again: JAX "
+                "donates nothing while it is on",
+                detail=f"The step asks for donation, but jax_debug_nans is on. {detail}"
+                + measured.replace("Compiled again with", "Traced with the flag off and"),
+                saving=saving,
+            )
+        ]
     return [
         finding(
             PATTERN,
@@ -83,9 +125,7 @@ def detect(program: Program) -> list[Finding]:
             [program.buffer(p.output) for p in pairs],
             f"Donate the state arguments, jax.jit(step, donate_argnums={argnums or '(...)'}), "
             "so that the new state is written into the old state's buffers",
-            detail=f"{len(pairs)} output(s) are computed from an input of the same shape "
-            f"({names}) and reuse none of the inputs' memory: {fmt_bytes(nbytes)} held twice."
-            + measured,
+            detail=detail + measured,
             saving=saving,
             copy="runbook.cases.donation.donated_step",
         )

@@ -19,7 +19,7 @@ import numpy as np
 from .. import _cache, _subprocess
 from .._case import CaseResult, measure_case
 from .._errors import DoesNotFitError, RunbookError
-from .._measure import _lowering, compile_fn
+from .._measure import _lowering, compile_fn, measure
 from .._render import Table, fmt_bytes
 from .._runtime import RuntimePeak, runtime_peak
 from ..cases import donation
@@ -310,6 +310,30 @@ def reports_table(result: CaseResult, found: Sequence[DonationCheck]) -> Table:
     )
 
 
+def debug_nans_aliases(scale: str = "seed", target: str | None = None) -> dict[str, int]:
+    """The recommended step's aliased bytes compiled with ``jax_debug_nans`` off, on (a
+    step traced afresh) and ``kept`` (the step traced with it off, lowered again once on).
+    """
+    case = donation.CASE
+    size = case.scales[scale]
+    v = case.variant(RECOMMENDED)
+    args = case.inputs(v, size, case.grid(size)[0], False)
+
+    def traced(flag: bool, step: Any = None) -> int:
+        before = jax.config.jax_debug_nans
+        jax.config.update("jax_debug_nans", flag)
+        try:
+            step = step or jax.jit(lambda *a: donation.train_step(*a), donate_argnums=(0, 1))
+            return measure(step, *args, target=target, name="donated_step").alias
+        finally:
+            jax.config.update("jax_debug_nans", before)
+
+    earlier = jax.jit(lambda *a: donation.train_step(*a), donate_argnums=(0, 1))
+    off = traced(False, earlier)
+    # "kept": the step traced with the flag off, lowered again once it is on
+    return {"off": off, "on": traced(True), "kept": traced(True, earlier)}
+
+
 def claims(
     result: CaseResult | None = None,
     found: Sequence[DonationCheck] | None = None,
@@ -425,6 +449,18 @@ def claims(
             )
             + f". And JAX warns once per program and process: lowered {len(counts)} times, "
             f"misnumbered_step drew {', '.join(map(str, counts))} warning(s).",
+        )
+    )
+
+    nans = debug_nans_aliases(result.scale, target)
+    out.append(
+        Claim(
+            "debug-nans",
+            "jax_debug_nans turns donation off (jax-ml/jax#12514, PR #13144; #13789, #33949).",
+            verdict(nans["off"] > 0 and nans["on"] == 0),
+            f"{where}: donated_step traced with jax_debug_nans off aliases "
+            f"{fmt_bytes(nans['off'])}, with it on {fmt_bytes(nans['on'])}; the same step traced "
+            f"with it off and lowered again once it is on aliases {fmt_bytes(nans['kept'])}.",
         )
     )
 
