@@ -45,6 +45,8 @@ _PUBLIC = {
     "Finding": "_diagnose",
     "diagnose": "_diagnose",
     "Explanation": "_explain",
+    "Fit": "_fit",
+    "fit": "_fit",
     "explain": "_explain",
     "ChildCrashed": "_subprocess",
     "DoesNotFitError": "_errors",
@@ -71,6 +73,7 @@ _PUBLIC = {
     "timeline": "_timeline",
     "Target": "_targets",
     "get_target": "_targets",
+    "slice_mesh": "_targets",
     "target_devices": "_targets",
     "targets": "_targets",
 }
@@ -97,6 +100,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and editors
     from ._diagnose import Diagnosis, Finding, diagnose
     from ._errors import DoesNotFitError, RunbookError, UnknownNameError, WontFitError
     from ._explain import Explanation, explain
+    from ._fit import Fit, fit
     from ._measure import MemoryReport, compile_fn, largest_buffers, measure, xla_usage_report_total
     from ._provenance import Provenance
     from ._render import (
@@ -111,7 +115,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and editors
     )
     from ._runtime import RuntimePeak, runtime_peak
     from ._subprocess import ChildCrashed
-    from ._targets import Target, get_target, target_devices, targets
+    from ._targets import Target, get_target, slice_mesh, target_devices, targets
     from ._timeline import Timeline, timeline
     from ._watch import Watch, watch
 
@@ -126,6 +130,7 @@ __all__ = [
     "DoesNotFitError",
     "Explanation",
     "Finding",
+    "Fit",
     "MemoryReport",
     "Provenance",
     "RunbookError",
@@ -144,6 +149,7 @@ __all__ = [
     "diagnose",
     "explain",
     "figures_table",
+    "fit",
     "fmt_bytes",
     "get_case",
     "get_target",
@@ -155,6 +161,7 @@ __all__ = [
     "plot_sweep",
     "report_table",
     "runtime_peak",
+    "slice_mesh",
     "target_devices",
     "targets",
     "timeline",

@@ -11,6 +11,7 @@ from typing import Any
 from . import _targets
 from ._buffers import Buffer
 from ._errors import DoesNotFitError
+from ._fit import Fit
 from ._locator import call_located
 from ._measure import MemoryReport
 from ._program import Finding, NearMiss, Program
@@ -138,46 +139,35 @@ class Diagnosis:
         return self.target.usable() if self.target else None
 
     @property
-    def fits(self) -> bool | None:
-        """Whether the program fits the target's usable memory (None without a target)."""
+    def fit(self) -> Fit | None:
+        """Whether the program fits the target, per device (None without a target)."""
         if self.target is None:
             return None
         if self.refused is not None:
-            return False
-        return self.report.total <= self.target.usable()
+            return Fit.refusal(self.target, **self.refused)
+        return Fit.of(self.report, self.target)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the program fits the target's usable memory (None without a target)."""
+        return None if self.fit is None else self.fit.fits
 
     @property
     def margin(self) -> int | None:
         """The usable memory minus what the program needs (negative when it does not fit)."""
-        if self.target is None:
-            return None
-        needed = self.refused["needed"] if self.refused else self.report.total
-        return self.target.usable() - needed
+        return None if self.fit is None else self.fit.margin
 
     def fit_line(self) -> str:
         """Whether it fits the target, in one sentence ("" without a target)."""
-        t = self.target
-        if t is None:
+        if self.fit is None:
             return ""
-        rule = f"{fmt_bytes(t.usable())} usable ({t.usable_rule()})"
+        line = self.fit.sentence()
         if self.refused is not None:
-            r = self.refused
-            return (
-                f"Does not fit one {t.label}: its compiler refused the program, needing "
-                f"{fmt_bytes(r['needed'])} of {r['what']} where the device allows "
-                f"{fmt_bytes(r['limit'])}. The findings below come from this machine's "
+            line += (
+                f" The findings below come from this machine's "
                 f"{self.report.provenance.backend} compiler."
             )
-        margin = self.margin or 0
-        if self.fits:
-            return (
-                f"Fits one {t.label}: {fmt_bytes(self.report.total)} of {rule}, "
-                f"{fmt_bytes(margin)} to spare."
-            )
-        return (
-            f"Does not fit one {t.label}: {fmt_bytes(self.report.total)} against {rule}, "
-            f"{fmt_bytes(-margin)} too much."
-        )
+        return line
 
     @property
     def constants(self) -> int:

@@ -197,7 +197,7 @@ def lower_fn(
                     raise
                 raise RunbookError(
                     f"`{name}` is built on this process's devices, not on target {target.name!r}: "
-                    f"build its mesh and shardings on `runbook.target_devices({target.name!r}, n)`"
+                    f"build its mesh and shardings on {_targets.mesh_hint(target)}"
                 ) from e.__cause__
     lowerable = _lowerable(fn)
     start_backend()
@@ -234,7 +234,7 @@ def compile_lowered(
             raise RunbookError(
                 f"`{name}` compiled for {', '.join(sorted(platforms))}, "
                 f"not for target {t.name!r}: build its mesh and shardings on "
-                f"`runbook.target_devices({t.name!r}, n)`"
+                f"{_targets.mesh_hint(t)}"
             )
         return compiled
     try:
@@ -288,7 +288,10 @@ def measure(
         buffers: also read back the buffer assignment, to list the largest buffers.
         target: compile for this device instead of this process's backend (a name from
             `runbook.targets()`, e.g. ``"h100"`` or ``"v5e"``): a compile-time prediction
-            for a device this machine need not have.
+            for a device this machine need not have. A slice (``"v5e-16"``, ``"h100x8"``)
+            takes inputs sharded over `runbook.slice_mesh`, or over a mesh of as many of
+            this process's devices; the report is per device (`runbook.fit` says whether
+            it fits).
 
     Returns:
         A `MemoryReport` with bytes per device. JAX's warnings that donated buffers were not

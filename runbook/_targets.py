@@ -123,12 +123,17 @@ _TPU_7X = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256:
 class Target:
     """A device to compile for without having it.
 
+    A slice of several (``"v5e-16"``, ``"h100x8"``, see `get_target`) is a `Target` too: its
+    one device's figures, with ``devices`` and ``base`` set.
+
     Attributes:
-        name: what you pass as ``target=`` (``"h100"``).
+        name: what you pass as ``target=`` (``"h100"``, ``"v5e-16"``).
         label: the product, for captions.
         platform: ``"cuda"`` or ``"tpu"``.
         memory: the device's memory in bytes (nominal, per JAX device).
         source: where the hardware figures come from.
+        devices: how many JAX devices it names: a slice's count, else 1.
+        base: a slice's one-device target (``"v5e"``); "" for a one-device target.
     """
 
     name: str
@@ -138,6 +143,8 @@ class Target:
     source: str
     gpu: GpuSpec | None = None
     tpu: tuple[str, Mapping[int, str]] | None = None  # (generation, topologies by count)
+    devices: int = 1
+    base: str = ""
 
     @property
     def device_platforms(self) -> tuple[str, ...]:
@@ -148,6 +155,13 @@ class Target:
     def kind(self) -> str:
         return "GPU" if self.platform == "cuda" else "TPU"
 
+    @property
+    def unit(self) -> str:
+        """What one JAX device of this target is: a GPU, a TPU chip, or (TPU7x) a TensorCore."""
+        if self.platform == "cuda":
+            return "GPU"
+        return "TensorCore" if self.tpu is not None and self.tpu[0] == "tpu7x" else "chip"
+
     def usable(self) -> int:
         """Bytes a program may use per device by default.
 
@@ -157,7 +171,7 @@ class Target:
         """
         if self.platform == "cuda":
             return int(GPU_ALLOCATOR_FRACTION * self.memory)
-        return _tpu_usable_hbm(self.name)
+        return _tpu_usable_hbm(self.base or self.name)
 
     def usable_rule(self) -> str:
         """How `usable()` is defined, in words."""
@@ -166,7 +180,8 @@ class Target:
         return "usable HBM as XLA's TPU compiler reports it"
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "device_kind": self.label, "memory": self.memory}
+        found = {"name": self.name, "device_kind": self.label, "memory": self.memory}
+        return {**found, "devices": self.devices} if self.base else found
 
 
 _NVIDIA = "NVIDIA's product datasheet; per-architecture limits from the CUDA C++ Programming Guide"
@@ -211,13 +226,69 @@ def target_names() -> list[str]:
 
 
 def get_target(name: str | Target) -> Target:
-    """The `Target` called `name` (see `targets()`)."""
+    """The `Target` called `name`: a device of `targets()`, or a slice of several.
+
+    A slice is named as the cloud sells it. TPU: ``"<tpu>-<N>"``; for v5e and v6e, N is the
+    chips (``"v5e-16"``: 16 chips, 16 JAX devices); for v5p, N is the TensorCores, two per
+    chip, and each chip is one JAX device (megacore), so ``"v5p-32"`` is 16 chips, 16 JAX
+    devices. GPU: ``"<gpu>x<N>"``, N GPUs (``"h100x8"``). Its sizes are the topologies this
+    runbook compiles for.
+
+    Examples:
+        >>> get_target("v5p-32").devices, get_target("h100x8").devices
+        (16, 8)
+        >>> get_target("v5e-16").base
+        'v5e'
+    """
     if isinstance(name, Target):
         return name
     for t in _TARGETS:
         if t.name == name:
             return t
-    raise UnknownNameError(f"unknown target {name!r}; valid: {', '.join(target_names())}")
+    found = _slice(name)
+    if found is not None:
+        return found
+    raise UnknownNameError(
+        f"unknown target {name!r}; valid: {', '.join(target_names())}, or a slice such as "
+        "v5e-16, v5p-32 or h100x8"
+    )
+
+
+_GPU_SLICE_MAX = 256  # 32 hosts of 8 GPUs
+
+
+def _slice_sizes(base: Target) -> list[int]:
+    """The N a slice name of `base` may have."""
+    if base.tpu is not None:
+        per_chip = 2 if base.name == "v5p" else 1  # Google Cloud names v5p by TensorCores
+        return [n * per_chip for n in base.tpu[1]]
+    return [*range(1, 8), *range(8, _GPU_SLICE_MAX + 1, 8)]  # a host of up to 8, or full hosts
+
+
+def _slice(name: str) -> Target | None:
+    """The slice `name` names ("v5e-16", "h100x8"), None when it names none; a known device
+    with an impossible size raises, listing the valid ones."""
+    m = re.fullmatch(r"(?P<base>\w+?)(?P<sep>-|x)(?P<n>\d+)", name)
+    base = next((t for t in _TARGETS if m and t.name == m["base"]), None)
+    if m is None or base is None or (m["sep"] == "-") != (base.tpu is not None):
+        return None
+    if base.name == "tpu7x":
+        raise UnknownNameError(
+            f"no slice names for tpu7x ({name!r}): their count is not settled here; build a "
+            "mesh on `runbook.target_devices('tpu7x', n)`, n TensorCores"
+        )
+    n, sizes = int(m["n"]), _slice_sizes(base)
+    if n not in sizes:
+        if base.gpu is not None:
+            valid = (
+                f"{base.name}x1 to {base.name}x8, then multiples of 8 to {base.name}x{sizes[-1]}"
+            )
+        else:
+            valid = ", ".join(f"{base.name}-{k}" for k in sizes)
+            valid += " (TensorCores, two per chip)" if base.name == "v5p" else " (chips)"
+        raise UnknownNameError(f"no slice {name!r}; valid: {valid}")
+    devices = n // 2 if base.name == "v5p" else n
+    return dataclasses.replace(base, name=name, devices=devices, base=base.name)
 
 
 # --- can this machine compile for it? --------------------------------------------------------
@@ -337,6 +408,12 @@ _DEVICES: dict[tuple[str, int], tuple[Any, ...]] = {}  # one topology per target
 
 
 def _devices(target: Target, count: int) -> tuple[Any, ...]:
+    if target.base:  # a slice: the first `count` of its base's topology of the slice's size
+        if count > target.devices:
+            raise RunbookError(
+                f"target {target.name!r} has {target.devices} devices; the program asks for {count}"
+            )
+        return _devices(get_target(target.base), target.devices)[:count]
     if (target.name, count) not in _DEVICES:
         _DEVICES[target.name, count] = _topology_devices(require(target), count)
     return _DEVICES[target.name, count]
@@ -369,8 +446,50 @@ def _topology_devices(target: Target, count: int) -> tuple[Any, ...]:
 
 
 def target_devices(name: str | Target, count: int = 1) -> list[Any]:
-    """`count` compile-only devices of target `name`: place inputs on them to compile for it."""
+    """`count` compile-only devices of target `name`: place inputs on them to compile for it.
+
+    For a slice, the first `count` of its devices (`slice_mesh` puts all of them in a mesh).
+    """
     return list(_devices(get_target(name), count))
+
+
+def slice_mesh(
+    name: str | Target, axis_names: str | Sequence[str], shape: Sequence[int] | None = None
+) -> Any:
+    """A `jax.sharding.Mesh` over every compile-only device of the slice `name` (``"v5e-16"``,
+    ``"h100x8"``, see `get_target`): shard a program's inputs on it, then measure it with
+    ``target=name`` for its bytes per device.
+
+    Args:
+        name: the slice (a one-device target gives a mesh of one device).
+        axis_names: the mesh's axis names, or one name.
+        shape: the devices along each axis; with one axis name, all of them by default.
+
+    The devices are laid out in their topology's order (not `mesh_utils`' physical layout,
+    which changes the collectives, not the bytes per device).
+    """
+    import numpy as np
+    from jax.sharding import Mesh
+
+    target = require(name)
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    if shape is None:
+        if len(names) != 1:
+            raise RunbookError(f"slice_mesh: give the shape of the {len(names)} axes {names}")
+        shape = (target.devices,)
+    if len(shape) != len(names) or int(np.prod(shape)) != target.devices:
+        raise RunbookError(
+            f"slice_mesh: shape {tuple(shape)} for axes {names} does not hold the "
+            f"{target.devices} devices of {target.name!r}"
+        )
+    return Mesh(np.array(target_devices(target, target.devices)).reshape(shape), names)
+
+
+def mesh_hint(target: Target) -> str:
+    """Where to build a mesh for `target`, for error messages."""
+    if target.base:
+        return f"`runbook.slice_mesh({target.name!r}, axis_names)`"
+    return f"`runbook.target_devices({target.name!r}, n)`"
 
 
 _ACTIVE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("target", default=None)
@@ -427,14 +546,15 @@ def place(args: Sequence[Any], name: str | Target, *, unsharded: bool = True) ->
 
     An input without a sharding goes to the target's first device (left as it is when not
     `unsharded`: a `jax.pmap` places its inputs itself); one sharded over a mesh of this
-    process's devices is sharded the same way over a mesh of target devices.
+    process's devices is sharded the same way over a mesh of target devices (for a slice,
+    only a mesh of as many devices as the slice has).
     """
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     target = get_target(name)
-    mine = {id(d) for d in target_devices(target, 1)}
+    mine = {id(d) for d in target_devices(target, target.devices)}
 
     def one(leaf: Any) -> Any:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -443,7 +563,14 @@ def place(args: Sequence[Any], name: str | Target, *, unsharded: bool = True) ->
         if isinstance(sharding, NamedSharding):
             mesh = sharding.mesh
             if not any(id(d) in mine for d in mesh.devices.flat):
-                devs = target_devices(target, mesh.devices.size)
+                size = mesh.devices.size
+                if target.base and size != target.devices:
+                    raise RunbookError(
+                        f"a {size}-device mesh for {target.name!r}, a slice of "
+                        f"{target.devices} devices: build it with "
+                        f"`runbook.slice_mesh({target.name!r}, {mesh.axis_names!r})`"
+                    )
+                devs = target_devices(target, size)
                 mesh = Mesh(np.array(devs).reshape(mesh.devices.shape), mesh.axis_names)
             sharding = NamedSharding(mesh, sharding.spec)
         elif not unsharded:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,10 +18,25 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _cache, _case_types, _subprocess, _targets
 from .._case import CaseResult, measure_case
+from .._fit import fit
 from .._measure import measure
 from .._render import Table, fmt_bytes
-from ..cases.sharding_replicated import AXIS, CASE, DEVICES, fsdp, init, state_bytes
+from ..cases._setup import sharding_replicated as setup
+from ..cases.sharding_replicated import (
+    AXIS,
+    CASE,
+    DEVICES,
+    fsdp,
+    init,
+    jit_step,
+    optimizer,
+    replicated,
+    scanned_train_step,
+    state_bytes,
+    train_step,
+)
 from ._claims import Claim, verdict
+from ._history import Note
 from ._pages import cited_reports_table
 
 # What the reports say, summarised; ours is measured beside it.
@@ -183,23 +199,101 @@ def init_table(found: dict[str, Any], scale: str = "issue", caption: str = "") -
     )
 
 
-def prefetch(targets: list[str], scale: str = "seed") -> list[concurrent.futures.Future[Any]]:
-    """Start compiling every variant for each of `targets`, in background threads.
+def prefetch(
+    targets: list[str], scale: str = "seed", slices: tuple[str, ...] = ()
+) -> list[concurrent.futures.Future[Any]]:
+    """Start compiling every variant for each of `targets`, and `slice_fits(slices)`, in
+    background threads.
 
     The page's first cells wait on child processes for the CPU figures; the targets'
     compiles (the slowest, one thread each) overlap with them, and the accelerator section
     reads their results from the measurement cache. Wait on the futures before it.
     """
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(targets)))
-    jobs = [
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(targets) + bool(slices)))
+    jobs: list[concurrent.futures.Future[Any]] = [
         pool.submit(
             contextvars.copy_context().run, measure_case, CASE.name, scale, target=t, buffers=True
         )
         for t in targets
         if _targets.unavailable(t) is None
     ]
+    if slices:
+        jobs.append(pool.submit(contextvars.copy_context().run, slice_fits, slices, scale))
     pool.shutdown(wait=False)
     return jobs
+
+
+# --- on a pod slice: the whole slice's devices, not the case's 8 ------------------------
+
+SLICES = ("v5e-16", "h100x8")  # a TPU pod slice and a GPU host
+# each variant's step, placement and whether its layers are stacked, as the case builds it
+_STEPS: dict[str, tuple[Callable[..., Any], Callable[..., Any], bool]] = {
+    "replicated": (train_step, replicated, False),
+    "fsdp": (train_step, fsdp, False),
+    "fsdp-scan": (scanned_train_step, fsdp, True),
+}
+
+
+def _slice_json(name: str, variant: str, scale: str) -> dict[str, Any]:
+    """The case's `variant` step at `scale` over every device of the slice `name`: its fit."""
+    step, place, stacked = _STEPS[variant]
+    size = CASE.scale(scale)
+    slice_ = _targets.get_target(name)
+    inputs = setup.Inputs(slice_.devices, AXIS, optimizer, init, jit_step)
+    # Inside, the case's mesh is the slice's devices, as `runbook.slice_mesh(name, AXIS)`.
+    with _targets.compiling_for(slice_):
+        fn = inputs.program(step, place, stacked)(size)
+        args = inputs.args(place, stacked)(size, size, False)
+    found = fit(fn, *args, target=slice_, name=variant)
+    return {"slice": name, "variant": variant, "verdict": str(found), **found.to_json()}
+
+
+@functools.cache  # once per process (prefetch's thread, then the page), and in the cache
+def slice_fits(
+    slices: tuple[str, ...] = SLICES, scale: str = "seed", variants: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """The reproduction and the recommended fix (or `variants`) at `scale` on each of
+    `slices` whose compiler this machine has, their state split over all of its devices:
+    bytes per device and whether they fit (`runbook.fit`), in the measurement cache."""
+    chosen = variants or ("replicated", str(CASE.recommended))
+    found = []
+    for name in slices:
+        if _targets.unavailable(name) is not None:
+            continue
+        request = {
+            "kind": "sharding-slice", "slice": name, "scale": dict(CASE.scale(scale)),
+            "variants": list(chosen),
+        }  # fmt: skip
+        compute = functools.partial(lambda n: [_slice_json(n, v, scale) for v in chosen], name)
+        found += _cache.cached(request, compute, module=__name__)
+    return found
+
+
+def slice_table(found: list[dict[str, Any]], slices: tuple[str, ...] = SLICES) -> Table | Note:
+    """`slice_fits` as a table: slice, program, bytes per device, verdict; a note for the
+    slices this machine has no compiler for."""
+    missing = "; ".join(f"{n}: {why}" for n in slices if (why := _targets.unavailable(n)))
+    if not found:
+        return Note(f"No slice figures on this build: {missing}.")
+    rows = []
+    for f in found:
+        t = _targets.get_target(f["slice"])
+        needed = fmt_bytes(f["needed"])
+        if f["refused"]:  # the compiler stopped at its first check: a lower bound
+            needed = f"at least {needed} (the compiler refused it)"
+        rows.append([f"{t.name}: {t.devices} x {t.label}", f["variant"], needed, f["verdict"]])
+    usable = {f["slice"]: f["usable"] for f in found}
+    caption = (
+        "Per device, compiled for every device of the slice without the devices (a "
+        "prediction). Usable per device: "
+        + "; ".join(
+            f"{n}: {fmt_bytes(b)} ({_targets.get_target(n).usable_rule()})"
+            for n, b in usable.items()
+        )
+        + "."
+        + (f" Not compiled on this build: {missing}." if missing else "")
+    )
+    return Table(["slice", "program", "per device", "verdict"], rows, caption)
 
 
 def issue_scale() -> CaseResult:
