@@ -35,7 +35,10 @@ def _program_arguments(command: argparse.ArgumentParser, target_help: str) -> No
         help="locator path/to/file.py:make_args, a function returning the arguments as a tuple "
         "(jax.ShapeDtypeStruct allocates nothing)",
     )
-    command.add_argument("--target", help=f"{target_help}: {', '.join(target_names())}")
+    command.add_argument(
+        "--target",
+        help=f"{target_help}: {', '.join(target_names())}, or a slice (v5e-16, v5p-32, h100x8)",
+    )
     command.add_argument("--json", action="store_true", help="print one JSON object")
 
 
