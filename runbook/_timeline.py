@@ -190,17 +190,25 @@ class Timeline:
             f"{buffer_table(self.at_peak[:10])._repr_html_()}</div>"
         )
 
-    def plot(self, ax: Any = None, *, title: str = "") -> Axes:
+    def plot(self, ax: Any = None, *, title: str = "", top: int | None = None) -> Axes:
         """Live bytes over program order, stacked by kind, the peak and the total marked.
 
         Position ``p`` is drawn from ``p`` to ``p + 1``; the title names what produced the
         figures: the backend or the target, and the JAX version.
+
+        Args:
+            ax: the axes to draw on (default: a new figure's).
+            title: the first line of the title (default: the program's name).
+            top: the bytes the y-axis reaches, in the unit that suits them (default: the
+                larger of this program's total and peak). Give two timelines the larger of
+                theirs to draw them on one scale.
         """
         import matplotlib.pyplot as plt
 
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.6))
-        unit, scale = _unit(max(self.total, self.peak, 1))
+        top = max(self.total, self.peak) if top is None else top
+        unit, scale = _unit(max(top, 1))
         n = len(self.instructions)
         xs = list(range(n + 1))
         below = [0.0] * (n + 1)
@@ -227,7 +235,7 @@ class Timeline:
             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
         )
         ax.set_xlim(0, n)
-        ax.set_ylim(0, max(self.total, self.peak) / scale * 1.12)
+        ax.set_ylim(0, max(top, 1) / scale * 1.12)
         ax.set_xlabel("position in the compiled schedule (program order)")
         ax.set_ylabel(f"{unit} live per device")
         ax.legend(
@@ -265,6 +273,42 @@ class Timeline:
             "unranged": [dataclasses.asdict(b) for b in self.unranged],
             "at_peak": [dataclasses.asdict(b) for b in self.at_peak],
         }
+
+    def to_record(self) -> dict[str, Any]:
+        """Everything, the report and its buffers included, as JSON-able data (`from_record`):
+        what a cache stores, or a child process hands back."""
+        return {
+            "report": self.report.to_record(),
+            "instructions": list(self.instructions),
+            "live": {k: list(v) for k, v in self.live.items()},
+            "peak": self.peak,
+            "position": self.position,
+            "at_peak": [dataclasses.asdict(b) for b in self.at_peak],
+            "allocated": dict(self.allocated),
+            "constants": self.constants,
+            "thread_local": self.thread_local,
+            "elsewhere": self.elsewhere,
+            "unranged": [dataclasses.asdict(b) for b in self.unranged],
+            "peak_instruction": self.peak_instruction,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Timeline:
+        """The timeline `to_record` wrote."""
+        return cls(
+            report=MemoryReport.from_record(record["report"]),
+            instructions=tuple(record["instructions"]),
+            live={k: tuple(v) for k, v in record["live"].items()},
+            peak=int(record["peak"]),
+            position=int(record["position"]),
+            at_peak=tuple(Buffer(**b) for b in record["at_peak"]),
+            allocated=dict(record["allocated"]),
+            constants=int(record.get("constants", 0)),
+            thread_local=int(record.get("thread_local", 0)),
+            elsewhere=int(record.get("elsewhere", 0)),
+            unranged=tuple(Buffer(**b) for b in record.get("unranged", ())),
+            peak_instruction=str(record.get("peak_instruction", "")),
+        )
 
 
 def timeline(

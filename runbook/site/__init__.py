@@ -53,8 +53,10 @@ from ._history import (
     versions_report,
 )
 from ._pages import bench_report, compare_variants, fix_table, verify_table, ynn_accounting
+from ._timelines import CaseTimelines, case_timelines, timeline_figure
 
 __all__ = [
+    "CaseTimelines",
     "Claim",
     "GpuRecord",
     "History",
@@ -67,6 +69,7 @@ __all__ = [
     "buffer_contrast",
     "case_diagnosis_table",
     "case_table",
+    "case_timelines",
     "claims_by_release",
     "claims_by_target",
     "claims_matrix",
@@ -94,6 +97,7 @@ __all__ = [
     "slowest",
     "target_summary",
     "target_table",
+    "timeline_figure",
     "verdict",
     "verify_table",
     "versions_report",
