@@ -22,6 +22,7 @@ import importlib.util
 import os
 import platform
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -405,6 +406,7 @@ def _gpu_topology(target: Target, shape: str) -> Any:
 
 
 _DEVICES: dict[tuple[str, int], tuple[Any, ...]] = {}  # one topology per target and count
+_TOPOLOGY_LOCK = threading.Lock()
 
 
 def _devices(target: Target, count: int) -> tuple[Any, ...]:
@@ -414,8 +416,11 @@ def _devices(target: Target, count: int) -> tuple[Any, ...]:
                 f"target {target.name!r} has {target.devices} devices; the program asks for {count}"
             )
         return _devices(get_target(target.base), target.devices)[:count]
-    if (target.name, count) not in _DEVICES:
-        _DEVICES[target.name, count] = _topology_devices(require(target), count)
+    # One thread at a time: the first topology of a platform registers its compiler plugin,
+    # and two threads doing so at once fail ("PJRT_Api already exists for device type tpu").
+    with _TOPOLOGY_LOCK:
+        if (target.name, count) not in _DEVICES:
+            _DEVICES[target.name, count] = _topology_devices(require(target), count)
     return _DEVICES[target.name, count]
 
 

@@ -206,3 +206,24 @@ def test_the_case_page_says_which_slices_it_could_not_compile_for(monkeypatch):
     assert page.slice_fits(("v5e-16",), "tiny", ("replicated",)) == []
     note = page.slice_table([], ("v5e-16",))
     assert note == "No slice figures on this build: v5e-16: no compiler for v5e-16."
+
+
+def test_two_threads_start_a_tpu_target_and_a_slice_of_it_at_once():
+    # The sharding-replicated page compiles for the v5e and the v5e-16 from two threads; the
+    # first topology registers libtpu's plugin, which two threads at once did twice
+    # ("PJRT_Api already exists"), about one fresh process in three.
+    _needs("v5e")
+    code = (
+        "import concurrent.futures as cf\n"
+        "from runbook import _targets\n"
+        "with cf.ThreadPoolExecutor(2) as pool:\n"
+        "    a = pool.submit(_targets.target_devices, 'v5e', 8)\n"
+        "    b = pool.submit(_targets.target_devices, 'v5e-16', 16)\n"
+        "    print(len(a.result()), len(b.result()))\n"
+    )
+    for _ in range(3):  # fresh processes: the plugin registers once per process
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == ["8", "16"]
