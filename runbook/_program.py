@@ -34,6 +34,9 @@ from ._render import fmt_bytes
 _T = TypeVar("_T")
 
 SITE_FIX = "cases/{case}.html#fix"
+# Instructions that move a value without computing from it: a residual read through them is
+# still read.
+_MOVES = frozenset({"bitcast", "copy", "get-tuple-element", "tuple", "reshape", "transpose"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,13 +490,36 @@ class Program:
             inst = self.module.get(n)
             if inst is None:
                 continue
-            if "transpose(" in inst.op_name:
-                return True
-            if inst.opcode == "fusion" and any(
-                "transpose(" in i.op_name for i in self.module.inner_ops(inst)
-            ):
+            if self._in_backward(inst):
                 return True
             todo.extend(inst.operands)
+        return False
+
+    def _in_backward(self, inst: Instruction) -> bool:
+        """Whether `inst` (or an operation fused into it) belongs to the reverse-mode pass."""
+        if "transpose(" in inst.op_name:
+            return True
+        return inst.opcode == "fusion" and any(
+            "transpose(" in i.op_name for i in self.module.inner_ops(inst)
+        )
+
+    def read_by_backward(self, name: str) -> bool:
+        """True when forward-pass instruction `name`'s value is read by the reverse-mode pass
+        (through moves that compute nothing): a residual the gradient keeps, which rolling
+        the loop that made it would stack, not free."""
+        if self.backward_ancestry(name):
+            return False
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for user in self.module.users.get(n, ()):
+                if self._in_backward(user):
+                    return True
+                if user.opcode in _MOVES:
+                    todo.append(user.name)
         return False
 
     def entry_parameters_of(self, name: str) -> set[int]:

@@ -9,7 +9,9 @@ once per iteration at the same time. A rolled loop (``lax.fori_loop``, ``lax.sca
 
 Values that each feed outputs of their own (one weight gradient per layer, each updating
 its own layer) are left out: a rolled loop would still return every one of them, so
-rolling it would not free them.
+rolling it would not free them. So are the forward pass's values that the backward pass
+reads (each layer's activations): a rolled loop stacks them one per step. And so are
+random bits (one dropout draw per layer), which prng-temporaries reads.
 
 Replicated inputs. ``jax.pmap(..., in_axes=None)``, or a `NamedSharding` with an empty
 `PartitionSpec`, puts the whole array on every device. Often intended (parameters in data
@@ -25,6 +27,7 @@ import jax
 from .._hlo import Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
+from .prng_temporaries import _UNSIGNED, _makes_floats_from_bits
 from .sharding_replicated import replicated_state
 
 MIN_REPEATS = 4  # independent copies of one line's temporary, live at once
@@ -114,10 +117,15 @@ def _repeats(program: Program) -> list[_Group]:
     """Each line's same-shape temporaries repeated at least twice: (shape, source line,
     values, the members computed from no other member, how many are live at once)."""
     groups: dict[tuple[str, str], list[Value]] = defaultdict(list)
+    bits = _makes_floats_from_bits(program)
     for v in program.values:
         inst = program.module.get(v.instruction)
         if v.kind != "temp" or inst is None or program.in_loop(inst):
             continue
+        if program.read_by_backward(v.instruction):
+            continue  # a residual the gradient keeps: a rolled loop would stack it too
+        if bits and v.shape.split("[")[0] in _UNSIGNED:
+            continue  # random bits (dropout's, one draw per layer): prng-temporaries' own
         _, source = program.describe(inst)
         if source:
             groups[(v.shape, source)].append(v)

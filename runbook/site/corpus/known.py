@@ -16,33 +16,14 @@ MISSES: dict[str, dict[str, str]] = {
 }
 # Cases named on programs that do not exhibit them, with the reason.
 FALSE_ALARMS: dict[str, dict[str, str]] = {
-    "bilinear-sample": {
-        "pmap-loop": "a helper called four times (the corners) reads as four iterations of "
-        "an unrolled loop: same-shape temporaries from one source line",
-    },
     "gram-per-group": {
         "attention-scores": "exp of a Gram matrix (N x N from an N x d input) has the shape "
         "and the exponential of attention scores",
     },
-    "remat-blocks-params-in-carry": {
-        "pmap-loop": "jnp.split copies the four blocks' inputs, all live at once and made by "
-        "one source line, which the unrolled-loop rule reads as a loop's copies (the cost "
-        "is real: slicing each block inside the loop avoids it)",
-    },
-}
-# The eight gathered weights of gathered-layers-loop (the dict comprehension gathers every
-# layer whole before the loop uses them), named on 0.10.2. The rule groups values by source
-# line, and 0.12's all-gathers carry none (only the parameter's path).
-GATHERED = {
-    "gathered-layers-loop": {
-        "pmap-loop": "the eight gathered weights, one per layer from one source line and "
-        "all live at once, read as an unrolled loop's copies (the cost is real: gathering "
-        "each layer inside a scan over the layers, the sharding-replicated fix, avoids it)",
-    },
 }
 KNOWN_MISSES: dict[str, dict[str, dict[str, str]]] = {"0.10.2": MISSES, "0.12.0.1": MISSES}
 KNOWN_FALSE_ALARMS: dict[str, dict[str, dict[str, str]]] = {
-    "0.10.2": FALSE_ALARMS | GATHERED,
+    "0.10.2": FALSE_ALARMS,
     "0.12.0.1": FALSE_ALARMS,
 }
 
