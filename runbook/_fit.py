@@ -58,7 +58,7 @@ class Fit:
 
     @property
     def margin(self) -> int:
-        """Usable minus needed, per device: negative when it does not fit."""
+        """Bytes to spare per device (usable less needed), negative when it does not fit."""
         return self.usable - self.needed
 
     def __str__(self) -> str:

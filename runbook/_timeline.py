@@ -115,7 +115,7 @@ class Timeline:
 
     @property
     def total(self) -> int:
-        """The compiled total: `MemoryReport.total` (argument + output + temp - alias)."""
+        """The compiled total, `MemoryReport.total` (argument + output + temp - alias)."""
         return self.report.total
 
     @property
@@ -139,8 +139,8 @@ class Timeline:
 
     @property
     def unassigned(self) -> int:
-        """The compiled total less the allocations of the buffer assignment: 0 on CPU and
-        GPU targets; on a TPU target, by how much the compiler's own total differs from
+        """How much the compiled total exceeds the allocations of the buffer assignment,
+        0 on CPU and GPU targets; on a TPU target the compiler's own total differs from
         them (either sign)."""
         return self.total - sum(self.allocated.get(k, 0) for k in KINDS)
 
