@@ -203,6 +203,17 @@ def timeline_check(session: nox.Session) -> None:
     )
 
 
+@nox.session(default=False, name="real-corpus")
+def real_corpus(session: nox.Session) -> None:
+    """Diagnose the real-program corpus at its authors' scale on CPU and for the H100 and
+    v5e targets, with each program's fixes measured: docs/_data/corpus/real.json.
+    Options after --: --targets, --programs (see the module's help)."""
+    session.install("-e.[targets]", "equinox", "flax")
+    session.run(
+        "python", "-m", "runbook.site.producers.real_corpus", *session.posargs, env=CPU_ONLY
+    )
+
+
 @nox.session(default=False, venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """Real peaks on this machine's GPU, with the Python on PATH (a CUDA build of JAX).

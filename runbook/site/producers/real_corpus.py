@@ -1,0 +1,247 @@
+"""Diagnose the real-program corpus at its authors' scale: docs/_data/corpus/real.json.
+
+    nox -s real-corpus    (python -m runbook.site.producers.real_corpus
+                           [--targets cpu h100 v5e] [--programs NAME ...] [--out FILE])
+
+For each program of `runbook.site.corpus.real` and each target (this machine's CPU, and
+GPU/TPU compilers without the device), nothing allocated:
+
+- a bare compile, timed (what the user's own ``jit(...).lower(...).compile()`` costs);
+- `runbook.diagnose`, timed: the cases it names, each finding's share of the total;
+- each of the program's fixes, compiled as the diagnosis compiles: the bytes it saves.
+
+A mechanism is *expected* on a target when its fix saves at least `THRESHOLD` of the
+program's total there: decided by measurement, per target, never by reading the code.
+Multi-device programs run on forced host devices in a child process on CPU, and on the
+target's compile-only devices otherwise. Rows already in the file for other programs or
+targets are kept, so that targets can be measured in separate runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+import traceback
+from typing import Any
+
+OUT = pathlib.Path(__file__).resolve().parents[3] / "docs" / "_data" / "corpus" / "real.json"
+THRESHOLD = 0.05  # a fix saving at least this share of the total shows its mechanism
+TARGETS = ("cpu", "h100", "v5e")
+
+
+def evaluate(name: str, target: str) -> dict[str, Any]:
+    """One program on one target (``"cpu"``: this process's backend): its row."""
+    from runbook import _targets
+    from runbook._diagnose import diagnose
+    from runbook._errors import DoesNotFitError, RunbookError
+    from runbook._measure import compile_fn, measure
+    from runbook._program import cpu_accounting_options
+    from runbook.site.corpus import real
+
+    program = real.get(name)
+    t = None if target == "cpu" else _targets.require(target)
+    options = cpu_accounting_options() if t is None else {}
+    row: dict[str, Any] = {"program": name, "target": target}
+    with _targets.compiling_for(t):  # meshes built on the target's devices
+        fn, args = program.build("authors", False)
+        start = time.perf_counter()
+        try:
+            compile_fn(fn, *args, target=t)
+            row["compile_seconds"] = time.perf_counter() - start
+        except DoesNotFitError as e:
+            row["compile_seconds"] = time.perf_counter() - start
+            row["refused"] = {"needed": e.needed, "limit": e.limit}
+        d = diagnose(fn, *args, target=t, name=name)
+        total = d.report.total
+        whole = total + d.constants
+        shares: dict[str, float] = {}
+        for f in d.findings:
+            if f.case and not f.informational:
+                shares[f.case] = max(shares.get(f.case, 0.0), f.bytes / whole if whole else 0.0)
+        fixes: dict[str, dict[str, Any]] = {}
+        for case, build in program.fixes.items():
+            fixed_fn, fixed_args = build("authors", False)
+            try:
+                fixed = measure(fixed_fn, *fixed_args, target=t, compiler_options=options)
+                fixes[case] = {"total": fixed.total, "saving": total - fixed.total}
+            except (DoesNotFitError, RunbookError) as e:
+                fixes[case] = {"error": str(e).splitlines()[0][:300]}
+    row.update(
+        total=total,
+        backend=d.report.provenance.label(),
+        diagnose_seconds=d.seconds,
+        named=d.cases,
+        shares=shares,
+        fixes=fixes,
+        diagnosed_refused=d.refused,
+        fits=d.fits,
+        margin=d.margin,
+    )
+    row["expected"] = sorted(c for c, f in fixes.items() if f.get("saving", 0) >= THRESHOLD * total)
+    row["missed"] = sorted(set(row["expected"]) - set(d.cases))
+    row["false_alarms"] = sorted(set(d.cases) - set(row["expected"]))
+    return row
+
+
+def _evaluate_json(name: str, target: str) -> dict[str, Any]:
+    """`evaluate` in a child process (forced host devices)."""
+    return evaluate(name, target)
+
+
+def run(name: str, target: str) -> dict[str, Any]:
+    """`evaluate`, in a child with the program's devices where the CPU needs them."""
+    from runbook import _subprocess
+    from runbook.site.corpus import real
+
+    devices = real.get(name).devices
+    if target == "cpu" and devices > 1:
+        data: dict[str, Any] = _subprocess.call(
+            "runbook.site.producers.real_corpus:_evaluate_json",
+            devices=devices,
+            name=name,
+            target=target,
+        )
+        return data
+    return evaluate(name, target)
+
+
+def provenance() -> dict[str, Any]:
+    """The releases and machine that made the file."""
+    import importlib.metadata
+
+    from runbook._provenance import Provenance
+
+    p = dataclasses.asdict(Provenance.current())
+    for dist in ("flax", "equinox", "optax", "libtpu", "jax-cuda12-plugin"):
+        try:
+            p[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            p[dist] = None
+    return p
+
+
+def load(path: str | pathlib.Path = OUT) -> dict[str, Any]:
+    """The committed file: ``provenance``, ``threshold`` and ``rows``."""
+    data: dict[str, Any] = json.loads(pathlib.Path(path).read_text())
+    return data
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def table(data: dict[str, Any] | None = None) -> Any:
+    """Per program and target: what the fixes measured, what diagnose named, its time."""
+    from runbook._render import Table, fmt_bytes
+    from runbook.site.corpus import real
+
+    data = data or load()
+    order = {p.name: i for i, p in enumerate(real.programs())}
+    rows = []
+    for r in sorted(data["rows"], key=lambda r: (order.get(r["program"], 99), r["target"])):
+        if "error" in r:
+            rows.append(
+                [r["program"], r["target"], "-", "-", "-", "-", f"error: {r['error'][:80]}"]
+            )
+            continue
+        measured = ", ".join(
+            f"{c} {fmt_bytes(f['saving'])}"
+            for c, f in sorted(r["fixes"].items())
+            if "saving" in f and f["saving"] >= data["threshold"] * r["total"]
+        )
+        named = ", ".join(f"{c} ({_pct(r['shares'].get(c, 0))})" for c in r["named"]) or "none"
+        ratio = r["diagnose_seconds"] / r["compile_seconds"] if r["compile_seconds"] else 0
+        rows.append([
+            r["program"], r["target"], fmt_bytes(r["total"]), measured or "none", named,
+            ", ".join(r["missed"] + [f"{c} (false alarm)" for c in r["false_alarms"]]) or "-",
+            f"{ratio:.1f}x",
+        ])  # fmt: skip
+    p = data["provenance"]
+    return Table(
+        ["program", "target", "per device", "fixes that save (measured)", "named (share)",
+         "missed / false alarms", "diagnose / compile"],
+        rows,
+        f"Each program at its authors' scale, compiled without allocating; a mechanism counts "
+        f"as present where its fix saves at least {data['threshold']:.0%} of the total. jax "
+        f"{p['jax']}, flax {p['flax']}, equinox {p['equinox']}, optax {p['optax']}; made by "
+        f"`nox -s real-corpus` on {p['date']} (docs/_data/corpus/real.json).",
+    )  # fmt: skip
+
+
+def summary(data: dict[str, Any] | None = None) -> str:
+    """Per target, in Markdown: mechanisms present, named, missed, false alarms, and the
+    diagnosis's time against a bare compile."""
+    import statistics
+
+    data = data or load()
+    lines = []
+    for target in TARGETS:
+        rows = [r for r in data["rows"] if r["target"] == target and "error" not in r]
+        if not rows:
+            lines.append(f"- **{target}**: not measured in this file yet.")
+            continue
+        present = sum(len(r["expected"]) for r in rows)
+        missed = sum(len(r["missed"]) for r in rows)
+        alarms = sum(len(r["false_alarms"]) for r in rows)
+        ratios = [
+            r["diagnose_seconds"] / r["compile_seconds"] for r in rows if r["compile_seconds"]
+        ]
+        errors = sum(r["target"] == target and "error" in r for r in data["rows"])
+        lines.append(
+            f"- **{target}**: {len(rows)} programs, {present} mechanisms present by measurement, "
+            f"{present - missed} named, {missed} missed, {alarms} false alarms; diagnose took "
+            f"{statistics.median(ratios):.1f}x a bare compile (median), {max(ratios):.1f}x at "
+            "most" + (f"; {errors} program(s) failed to compile" if errors else "") + "."
+        )
+    return "\n".join(lines)
+
+
+def programs_table() -> Any:
+    """Each real program: what it is, its libraries, devices, and the file it rewrites."""
+    from runbook._render import Table
+    from runbook.site.corpus import real
+
+    return Table(
+        ["program", "model", "libraries", "devices", "fixes tried", "rewritten from"],
+        [
+            [p.name, p.model, ", ".join(p.libraries), p.devices, ", ".join(p.fixes), p.source]
+            for p in real.programs()
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from runbook.site.corpus import real
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    parser.add_argument("--programs", nargs="+", default=None)
+    parser.add_argument("--out", type=pathlib.Path, default=OUT)
+    a = parser.parse_args(argv)
+    names = a.programs or [p.name for p in real.programs()]
+    old = json.loads(a.out.read_text()) if a.out.exists() else {"rows": []}
+    rows = {(r["program"], r["target"]): r for r in old["rows"]}
+    for target in a.targets:
+        for name in names:
+            print(f"{name} on {target} ...", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            try:
+                row = run(name, target)
+            except Exception as e:  # noqa: BLE001 - recorded, and the next program goes on
+                traceback.print_exc()
+                row = {"program": name, "target": target, "error": f"{type(e).__name__}: {e}"}
+            row["wall_seconds"] = time.perf_counter() - start
+            row["date"] = time.strftime("%Y-%m-%d")
+            rows[name, target] = row
+            print(json.dumps(row)[:400], file=sys.stderr, flush=True)
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            data = {"provenance": provenance(), "threshold": THRESHOLD, "rows": list(rows.values())}
+            a.out.write_text(json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The real-program corpus: public models' steps rewritten at their authors' scale.
+
+At a tiny scale each program runs, and each of its fixes computes the same result (the
+multi-device ones in a child with forced host devices). The committed measurements
+(`nox -s real-corpus`, docs/_data/corpus/real.json) cover every program on each target
+measured, and their verdicts follow from their own figures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runbook._subprocess import child_env
+from runbook.site.corpus import real
+from runbook.site.producers import real_corpus
+
+# flax's lm1b models call nn.SelfAttention, which flax marks as deprecated: their code, as
+# their authors wrote it.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:SelfAttention will be deprecated:DeprecationWarning"
+)
+
+PROGRAMS = real.programs()
+SINGLE = [p.name for p in PROGRAMS if p.devices == 1]
+SEVERAL = [p.name for p in PROGRAMS if p.devices > 1]
+
+
+def test_the_corpus_covers_what_users_run():
+    assert len(PROGRAMS) >= 12
+    libraries = {lib for p in PROGRAMS for lib in p.libraries}
+    assert {"flax.linen", "flax.nnx", "equinox", "optax"} <= libraries
+    assert SEVERAL  # a pmap step and an FSDP step
+    for p in PROGRAMS:
+        assert p.source.startswith("https://github.com/"), p.name
+        assert "/blob/" in p.source, p.name  # at a commit
+        assert p.fixes, p.name
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_each_fix_computes_the_same_result(name):
+    for case, difference in real.same_results(name).items():
+        assert difference <= real.get(name).tolerance, (name, case, difference)
+
+
+def test_each_fix_of_a_multi_device_program_computes_the_same_result():
+    if not SEVERAL:
+        pytest.skip("no multi-device program")
+    child = textwrap.dedent(
+        f"""
+        import json
+        from runbook.site.corpus.real import same_results
+        print(json.dumps({{n: same_results(n) for n in {SEVERAL!r}}}))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child],
+        env=child_env(max(real.get(n).devices for n in SEVERAL)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        for case, difference in found.items():
+            assert difference <= real.get(name).tolerance, (name, case, difference)
+
+
+def test_the_committed_measurements_cover_every_program_and_follow_from_their_figures():
+    data = real_corpus.load()
+    rows = {(r["program"], r["target"]): r for r in data["rows"]}
+    measured = {target for _, target in rows}
+    assert "cpu" in measured
+    for p in PROGRAMS:  # every program, on every target measured at all
+        for target in measured:
+            assert (p.name, target) in rows, (p.name, target)
+    for r in data["rows"]:
+        if "error" in r:
+            continue
+        expected = sorted(
+            c for c, f in r["fixes"].items() if f.get("saving", 0) >= data["threshold"] * r["total"]
+        )
+        assert r["expected"] == expected
+        assert r["missed"] == sorted(set(expected) - set(r["named"]))
+        assert r["false_alarms"] == sorted(set(r["named"]) - set(expected))
+    assert data["provenance"]["jax"]
+    assert "authors' scale" in real_corpus.table(data).caption
