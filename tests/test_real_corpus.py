@@ -89,4 +89,5 @@ def test_the_committed_measurements_cover_every_program_and_follow_from_their_fi
         assert r["missed"] == sorted(set(expected) - set(r["named"]))
         assert r["false_alarms"] == sorted(set(r["named"]) - set(expected))
     assert data["provenance"]["jax"]
+    assert data["programs"] == real_corpus.described()  # what the page lists, as it is now
     assert "authors' scale" in real_corpus.table(data).caption

@@ -137,10 +137,9 @@ def _pct(x: float) -> str:
 def table(data: dict[str, Any] | None = None) -> Any:
     """Per program and target: what the fixes measured, what diagnose named, its time."""
     from runbook._render import Table, fmt_bytes
-    from runbook.site.corpus import real
 
     data = data or load()
-    order = {p.name: i for i, p in enumerate(real.programs())}
+    order = {p["name"]: i for i, p in enumerate(data["programs"])}
     rows = []
     for r in sorted(data["rows"], key=lambda r: (order.get(r["program"], 99), r["target"])):
         if "error" in r:
@@ -200,18 +199,33 @@ def summary(data: dict[str, Any] | None = None) -> str:
     return "\n".join(lines)
 
 
-def programs_table() -> Any:
-    """Each real program: what it is, its libraries, devices, and the file it rewrites."""
-    from runbook._render import Table
+def described() -> list[dict[str, Any]]:
+    """Each real program as the file records it: the page reads these, and so needs none of
+    the programs' libraries."""
     from runbook.site.corpus import real
 
+    return [
+        {
+            "name": p.name, "model": p.model, "source": p.source,
+            "libraries": list(p.libraries), "devices": p.devices, "fixes": list(p.fixes),
+        }
+        for p in real.programs()
+    ]  # fmt: skip
+
+
+def programs_table(data: dict[str, Any] | None = None) -> Any:
+    """Each real program: what it is, its libraries, devices, and the file it rewrites."""
+    from runbook._render import Table
+
+    data = data or load()
     return Table(
         ["program", "model", "libraries", "devices", "fixes tried", "rewritten from"],
         [
-            [p.name, p.model, ", ".join(p.libraries), p.devices, ", ".join(p.fixes), p.source]
-            for p in real.programs()
+            [p["name"], p["model"], ", ".join(p["libraries"]), p["devices"],
+             ", ".join(p["fixes"]), p["source"]]
+            for p in data["programs"]
         ],
-    )
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,7 +253,12 @@ def main(argv: list[str] | None = None) -> None:
             rows[name, target] = row
             print(json.dumps(row)[:400], file=sys.stderr, flush=True)
             a.out.parent.mkdir(parents=True, exist_ok=True)
-            data = {"provenance": provenance(), "threshold": THRESHOLD, "rows": list(rows.values())}
+            data = {
+                "provenance": provenance(),
+                "threshold": THRESHOLD,
+                "programs": described(),
+                "rows": list(rows.values()),
+            }
             a.out.write_text(json.dumps(data, indent=1) + "\n")
 
 
