@@ -158,7 +158,7 @@ def test_cli_json(capsys):
 
 @pytest.fixture
 def debug_nans():
-    before = jax.config.jax_debug_nans
+    before = jax.config.values["jax_debug_nans"]
     jax.config.update("jax_debug_nans", True)
     yield
     jax.config.update("jax_debug_nans", before)
@@ -183,4 +183,4 @@ def test_the_debug_nans_claim_is_measured_on_fresh_traces():
     assert found["off"] > 0
     assert found["kept"] == found["off"]  # traced before the flag: its donation stays
     assert found["on"] == 0
-    assert not jax.config.jax_debug_nans  # the flag is restored
+    assert not jax.config.values["jax_debug_nans"]  # the flag is restored

@@ -41,12 +41,12 @@ def donation_blocked(fn: Any) -> bool:
     traces it with no donation at all (jax-ml/jax#12514, the donation page's claim)."""
     info = getattr(fn, "_jit_info", None)  # JAX's private record of what jit was asked
     asked = info is not None and bool(info.donate_argnums or info.donate_argnames)
-    return asked and bool(jax.config.jax_debug_nans)
+    return asked and bool(jax.config.values["jax_debug_nans"])
 
 
 @contextlib.contextmanager
 def _debug_nans_off() -> Iterator[None]:
-    before = jax.config.jax_debug_nans
+    before = jax.config.values["jax_debug_nans"]
     jax.config.update("jax_debug_nans", False)
     try:
         yield

@@ -320,7 +320,7 @@ def debug_nans_aliases(scale: str = "seed", target: str | None = None) -> dict[s
     args = case.inputs(v, size, case.grid(size)[0], False)
 
     def traced(flag: bool, step: Any = None) -> int:
-        before = jax.config.jax_debug_nans
+        before = jax.config.values["jax_debug_nans"]
         jax.config.update("jax_debug_nans", flag)
         try:
             step = step or jax.jit(lambda *a: donation.train_step(*a), donate_argnums=(0, 1))
