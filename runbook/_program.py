@@ -503,11 +503,25 @@ class Program:
             "transpose(" in i.op_name for i in self.module.inner_ops(inst)
         )
 
+    @functools.cached_property
+    def _from_backward(self) -> frozenset[str]:
+        """Every instruction `backward_ancestry` is true of, found in one walk down the
+        users (a detector asks for each of a program's values)."""
+        todo = [i.name for i in self.module.instructions.values() if self._in_backward(i)]
+        seen: set[str] = set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(u.name for u in self.module.users.get(n, ()))
+        return frozenset(seen)
+
     def read_by_backward(self, name: str) -> bool:
         """True when forward-pass instruction `name`'s value is read by the reverse-mode pass
         (through moves that compute nothing): a residual the gradient keeps, which rolling
         the loop that made it would stack, not free."""
-        if self.backward_ancestry(name):
+        if name in self._from_backward:
             return False
         todo, seen = [name], set()
         while todo:
