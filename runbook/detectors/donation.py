@@ -45,9 +45,10 @@ def donation_blocked(fn: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _debug_nans_off() -> Iterator[None]:
+def debug_nans(flag: bool) -> Iterator[None]:
+    """Inside, ``jax_debug_nans`` is `flag`; afterwards, what it was."""
     before = jax.config.values["jax_debug_nans"]
-    jax.config.update("jax_debug_nans", False)
+    jax.config.update("jax_debug_nans", flag)
     try:
         yield
     finally:
@@ -61,7 +62,7 @@ def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
         return None  # jax.pmap: donation is its own argument; not applied mechanically
     donated = jax.jit(program.fn, donate_argnums=argnums)
     try:
-        with warnings.catch_warnings(), _debug_nans_off():
+        with warnings.catch_warnings(), debug_nans(False):
             warnings.simplefilter("ignore")  # "some donated buffers were not usable"
             # Only its figures are read: no dump to write and parse.
             stats = compile_fn(

@@ -34,6 +34,7 @@ from ..cases.donation import (
     update_read_once,
     update_read_update,
 )
+from ..detectors.donation import debug_nans
 from ._claims import Claim, verdict
 from ._pages import cited_reports_table
 
@@ -320,13 +321,9 @@ def debug_nans_aliases(scale: str = "seed", target: str | None = None) -> dict[s
     args = case.inputs(v, size, case.grid(size)[0], False)
 
     def traced(flag: bool, step: Any = None) -> int:
-        before = jax.config.values["jax_debug_nans"]
-        jax.config.update("jax_debug_nans", flag)
-        try:
+        with debug_nans(flag):
             step = step or jax.jit(lambda *a: donation.train_step(*a), donate_argnums=(0, 1))
             return measure(step, *args, target=target, name="donated_step").alias
-        finally:
-            jax.config.update("jax_debug_nans", before)
 
     earlier = jax.jit(lambda *a: donation.train_step(*a), donate_argnums=(0, 1))
     off = traced(False, earlier)
