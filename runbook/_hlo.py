@@ -510,6 +510,10 @@ class Dump:
     live: dict[tuple[str, str], tuple[int, int]]
     schedule: list[str] = dataclasses.field(default_factory=list)  # see `parse_schedule`
     phis: list[Value] = dataclasses.field(default_factory=list)
+    # A program split over devices (SPMD): how many parts, and, from the module before
+    # partitioning, the element counts each JAX op's results have in the whole program.
+    partitions: int = 1
+    whole: dict[str, frozenset[int]] = dataclasses.field(default_factory=dict)
 
     def buffers(self) -> list[Buffer]:
         """Every value with the JAX op and source line that made it, largest first."""
@@ -520,6 +524,25 @@ class Dump:
             name = f"{v.instruction} ({inst.opcode})" if inst is not None else v.instruction
             found.append(Buffer(v.size, v.shape, v.kind, name, op, source))
         return sorted(found, key=lambda b: b.size, reverse=True)
+
+
+_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_RESULT = re.compile(r' = \w+\[([\d,]*)\][^\n]*?op_name="([^"]*)"')
+
+
+def partitions(text: str) -> int:
+    """How many parts an SPMD program is split into (its module's ``num_partitions``)."""
+    m = _PARTITIONS.search(text.partition("\n")[0])
+    return int(m[1]) if m else 1
+
+
+def whole_elements(text: str) -> dict[str, frozenset[int]]:
+    """For a module before optimisation, whose shapes are still the whole program's: each
+    JAX op name -> the element counts of the arrays its instructions make."""
+    found: dict[str, set[int]] = {}
+    for dims, op in _RESULT.findall(text):
+        found.setdefault(op, set()).add(math.prod(int(d) for d in dims.split(",") if d))
+    return {op: frozenset(counts) for op, counts in found.items()}
 
 
 def read_dump(directory: pathlib.Path) -> Dump | None:
@@ -533,10 +556,20 @@ def read_dump(directory: pathlib.Path) -> Dump | None:
     live = assignment.with_name(stem + "-live-range.txt")
     ranges = live.read_text() if live.exists() else ""
     values = parse_assignment(assignment.read_text())
+    text = hlo.read_text() if hlo.exists() else ""
+    parts, whole = partitions(text), {}
+    number = re.match(r"module_(\d+)\.", assignment.name)
+    before = (
+        sorted(directory.glob(f"module_{number[1]}.*before_optimizations.txt")) if number else []
+    )
+    if parts > 1 and before:  # only a partitioned program's shapes change
+        whole = whole_elements(before[0].read_text())
     return Dump(
-        parse_module(hlo.read_text() if hlo.exists() else ""),
+        parse_module(text),
         [v for v in values if not v.phi],
         parse_live_ranges(ranges),
         parse_schedule(ranges),
         [v for v in values if v.phi],
+        parts,
+        whole,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import pathlib
 import re
 import tempfile
@@ -209,6 +210,7 @@ class Program:
         self.measure_fixes = measure_fixes
         self.module, self.values, self.live = dump.module, dump.values, dump.live
         self.phis, self.schedule = dump.phis, dump.schedule
+        self.partitions, self._whole = dump.partitions, dump.whole
         self.target, self.options = target, dict(options)
         self.devices = _devices_used(compiled)
         self.parameters = self._parameters(compiled)
@@ -535,6 +537,17 @@ class Program:
                 if user.opcode in _MOVES:
                     todo.append(user.name)
         return False
+
+    def whole_on_each_device(self, value: Value) -> bool:
+        """In a program split over devices (SPMD), whether `value` holds on each device as
+        many elements as the JAX op that made it does in the whole program: the partitioner
+        computed it whole, on every device. Matched by op name with the module before
+        partitioning; False outside a partitioned program or where the op is not found."""
+        inst = self.module.get(value.instruction)
+        if self.partitions < 2 or inst is None:
+            return False
+        op, _ = self.describe(inst)
+        return math.prod(Shape(value.shape).dims) in self._whole.get(op, ())
 
     def entry_parameters_of(self, name: str) -> set[int]:
         """The entry parameters instruction `name` depends on (HLO parameter numbers)."""
