@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .._hlo import Shape
+from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 
@@ -63,7 +63,9 @@ def _scored(program: Program, tokens: int) -> bool:
     return False
 
 
-def detect(program: Program) -> list[Finding]:
+def _claimed(program: Program) -> list[tuple[int, list[tuple[Value, Instruction]]]]:
+    """For each length T whose scores the program makes: the T x T arrays, each value
+    counted under one T only."""
     out = []
     taken: set[tuple[str, str]] = set()
     for tokens, largest in sorted(_lengths(program).items(), reverse=True):
@@ -82,6 +84,18 @@ def detect(program: Program) -> list[Finding]:
             ):
                 chosen.append((v, found))
         taken |= {(v.instruction, v.index) for v, _ in chosen}
+        out.append((tokens, chosen))
+    return out
+
+
+def scores(program: Program) -> set[tuple[str, str]]:
+    """The values this detector reads as attention scores (another detector leaves them)."""
+    return {(v.instruction, v.index) for _, chosen in program.shared(_claimed) for v, _ in chosen}
+
+
+def detect(program: Program) -> list[Finding]:
+    out = []
+    for tokens, chosen in program.shared(_claimed):
         nbytes = program.peak(v for v, _ in chosen)
         if not chosen or nbytes < MIN_SHARE * program.total:
             continue

@@ -4,6 +4,9 @@
 so each intermediate exists for the whole batch at the same time. Where a per-example
 intermediate is large, the batch of them is what runs out of memory; ``lax.map`` with a
 ``batch_size`` (or a rolled loop) holds a few examples' worth at a time.
+
+Attention scores made under vmap are the attention-scores detector's: each value is named
+by one finding.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import re
 from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
+from . import attention_scores
 
 MIN_SHARE = 0.25  # of the program's total, held at once by vmapped temporaries
 MAX_EVIDENCE = 6
@@ -23,8 +27,8 @@ CASE = "vmap-materialize"
 def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
-        f"temporaries of operations JAX names vmap(...), outside any loop, at least "
-        f"{MIN_SHARE:.0%} of the program's total live at once"
+        "temporaries of operations JAX names vmap(...), outside any loop and not attention "
+        f"scores, at least {MIN_SHARE:.0%} of the program's total live at once"
     )
 
 
@@ -34,10 +38,13 @@ _VMAP = re.compile(r"(?:^|/)vmap\(")
 def _vmapped(program: Program) -> tuple[list[tuple[Value, Instruction]], int]:
     """Temporaries of vmapped operations outside loops, and the most of them live at once."""
     chosen = []
+    claimed = attention_scores.scores(program)
     for v in program.values:
         inst = program.module.get(v.instruction)
         if v.kind != "temp" or inst is None or program.in_loop(inst):
             continue  # inside a loop: a chunk of the batch (lax.map), not all of it
+        if (v.instruction, v.index) in claimed:
+            continue
         if _VMAP.search(program.describe(inst)[0]):
             chosen.append((v, inst))
     return chosen, program.peak(v for v, _ in chosen)

@@ -25,8 +25,9 @@ def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
         "a product (outside any loop) with a matrix input, larger than the matrix, whose result "
-        "carries a side V of the matrix (its vocabulary), and an exponential over a last "
-        "axis V of that many elements (a softmax of those logits); every tokens x V array "
+        "carries a side V of the matrix (its vocabulary), an exponential over a last axis V "
+        "of that many elements and a maximum taken for each of its rows (a softmax or "
+        "log-softmax of those logits: a sigmoid exponentiates, but takes no maximum); every tokens x V array "
         f"outside loops counts, reported at {MIN_SHARE:.0%} of the program's total live at once"
     )
 
@@ -37,15 +38,17 @@ _MOVES = ("bitcast", "copy", "reshape", "convert", "transpose", "all-gather")
 _PRODUCTS = ("dot", "convolution")
 
 
-def _matrix_input(program: Program, inst: Instruction | None) -> Shape | None:
-    """The shape of the two-axis program input `inst` is, through moves, or None."""
+def _matrix_input(program: Program, inst: Instruction | None) -> tuple[int, ...] | None:
+    """The sides of the two-axis program input `inst` is, through moves, or None. Axes of
+    one are dropped: under pmap each device's input keeps a device axis of one."""
     seen: set[str] = set()
     while inst is not None and inst.name not in seen:
         seen.add(inst.name)
         inst = program.outside(inst)
         if inst.opcode == "parameter":
             entry = inst.computation == program.module.entry
-            return inst.shape if entry and len(inst.shape.dims) == 2 else None
+            sides = tuple(d for d in inst.shape.dims if d != 1)
+            return sides if entry and len(sides) == 2 else None
         if inst.opcode == "fusion" and inst.calls:  # a fusion that only moves its operand
             root = program.module.root(inst.calls[0])
             inst = root if root is not None and root.opcode in (*_MOVES, "parameter") else None
@@ -56,10 +59,10 @@ def _matrix_input(program: Program, inst: Instruction | None) -> Shape | None:
     return None
 
 
-def _logits(program: Program) -> set[tuple[int, int]]:
-    """(V, elements) of each product with a matrix input, larger than the matrix, whose
+def _logits(program: Program) -> dict[tuple[int, int], set[str]]:
+    """(V, elements) -> the products with a matrix input, larger than the matrix, whose
     result has a side V of the matrix, outside loops: logits, seen by where they come from."""
-    found = set()
+    found: dict[tuple[int, int], set[str]] = {}
     for inst in program.module.instructions.values():
         if inst.opcode not in _PRODUCTS or len(inst.operands) != 2 or program.in_loop(inst):
             continue
@@ -67,9 +70,40 @@ def _logits(program: Program) -> set[tuple[int, int]]:
         elements = math.prod(dims)
         for k in range(2):  # two computed factors (attention's q and k) give nothing
             matrix = _matrix_input(program, program.operand(inst, k))
-            if matrix is None or elements <= math.prod(matrix.dims):
+            if matrix is None or elements <= math.prod(matrix):
                 continue
-            found |= {(v, elements) for v in matrix.dims if dims.count(v) == 1}
+            for v in matrix:
+                if dims.count(v) == 1:
+                    found.setdefault((v, elements), set()).add(inst.name)
+    return found
+
+
+def _made_from(program: Program, inst: Instruction, products: set[str], limit: int = 256) -> bool:
+    """Whether `inst` is computed from one of `products` by operations that multiply no
+    further (through fusions' parameters): a softmax of the logits themselves, not of
+    attention scores made from a projection by a second product."""
+    todo, seen = [inst], set[str]()
+    while todo and len(seen) < limit:
+        current = program.outside(todo.pop(0))
+        if current.name in products:
+            return True
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        if current.opcode in _PRODUCTS:
+            continue
+        todo += [i for n in current.operands if (i := program.module.get(n)) is not None]
+    return False
+
+
+def _maxima(program: Program) -> list[Instruction]:
+    """The maxima a program takes (``reduce`` with ``maximum``): a softmax over V takes one
+    per row (XLA may reduce in stages)."""
+    found = []
+    for inst in program.module.instructions.values():
+        applied = program.module.root(inst.calls[0]) if inst.calls else None
+        if inst.opcode == "reduce" and applied is not None and applied.opcode == "maximum":
+            found.append(inst)
     return found
 
 
@@ -77,14 +111,20 @@ def detect(program: Program) -> list[Finding]:
     logits = _logits(program)
     if not logits:
         return []
-    # Their softmax: an exponential over a last axis V of as many elements, outside loops.
+    # Their softmax: an exponential over a last axis V of as many elements, outside loops,
+    # and a maximum of them (which a sigmoid has not), both made from the products.
     softmax = set()
     for inst in program.module.instructions.values():
         dims = inst.shape.dims
         if inst.opcode != "exponential" or not dims or program.in_loop(inst):
             continue
-        if (dims[-1], math.prod(dims)) in logits:
-            softmax.add((dims[-1], math.prod(dims)))
+        key = (dims[-1], math.prod(dims))
+        if key in logits and _made_from(program, inst, logits[key]):
+            softmax.add(key)  # the exponential of those very products
+    maxima = _maxima(program)
+    softmax = {
+        (v, n) for v, n in softmax if any(_made_from(program, m, logits[v, n]) for m in maxima)
+    }
     out = []
     taken: set[tuple[str, str]] = set()
     for vocab, elements in sorted(softmax, key=lambda s: -s[0] * s[1]):
