@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from .._hlo import Instruction
+from .._hlo import Instruction, Value
 from .._program import Parameter, Program
+from .._timeline import of_program
 
 _PASS = ("bitcast", "copy", "reshape", "convert")
+PRODUCTS = ("dot", "convolution")
 
 
 def source_of(program: Program, inst: Instruction) -> Instruction:
@@ -96,3 +98,35 @@ def state_pairs(program: Program) -> list[StatePair]:
             taken.add(param.number)
             pairs.append(StatePair(index, inst, param, program.aliased_output(index)))
     return sorted(pairs, key=lambda p: p.index)
+
+
+def at_peak(program: Program, values: list[Value]) -> int | None:
+    """The bytes of `values` live at the program's peak (memory they share counted once):
+    the most a fix that frees them all can save. None where XLA wrote no live ranges."""
+    if not program.schedule:
+        return None
+    position = program.shared(of_program).position
+    live = {}
+    for v in values:
+        found = program.live.get((v.instruction, v.index))
+        if found is not None and found[0] <= position <= found[1]:
+            live[v.allocation, v.offset] = max(v.size, live.get((v.allocation, v.offset), 0))
+    return sum(live.values())
+
+
+def made_from(program: Program, inst: Instruction, products: set[str], limit: int = 256) -> bool:
+    """Whether `inst` is computed from one of `products` by operations that multiply no
+    further (through fusions' parameters): a softmax of those products themselves (of
+    logits, not of attention scores made from a projection by a second product)."""
+    todo, seen = [inst], set[str]()
+    while todo and len(seen) < limit:
+        current = program.outside(todo.pop(0))
+        if current.name in products:
+            return True
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        if current.opcode in PRODUCTS:
+            continue
+        todo += [i for n in current.operands if (i := program.module.get(n)) is not None]
+    return False

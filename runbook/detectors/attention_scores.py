@@ -14,6 +14,7 @@ import math
 from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
+from ._common import at_peak, made_from
 
 MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
 MIN_TOKENS = 256  # a shorter sequence's scores are small whatever the program does
@@ -26,9 +27,11 @@ def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
         f"arrays with two axes of length T (an axis of an input, at least {MIN_TOKENS}), more "
-        "elements than any input, in a program that exponentiates arrays of that shape and "
-        "makes at least T x T elements with T among their axes by a product (a dot); "
-        f"reported at {MIN_SHARE:.0%} of the program's total live at once"
+        "elements than any input, in a program that exponentiates arrays of that shape made "
+        "(with no further product) from a product (a dot) of at least T x T elements with T "
+        "among their axes: a softmax of scores; "
+        f"reported at {MIN_SHARE:.0%} of the program's total live at once, and as much "
+        "live at the program's peak"
     )
 
 
@@ -44,23 +47,26 @@ def _lengths(program: Program) -> dict[int, int]:
 
 
 def _scored(program: Program, tokens: int) -> bool:
-    """True when a product makes T x T elements (other axes may be merged into T's) and
-    the program exponentiates T x T arrays: scores and their softmax."""
-    product = exponential = False
+    """True when the program exponentiates T x T arrays made, by operations that multiply
+    no further, from a product of T x T elements or more with T among its axes (other axes
+    may be merged into T's): a softmax of scores. An image's H x W activations have two
+    axes of one length, but their exponential (a sigmoid) is made from a convolution."""
+    products = set()
     for inst in program.module.instructions.values():
         dims = inst.shape.dims
         if tokens not in dims or math.prod(dims) < tokens * tokens:
             continue
-        if inst.opcode == "exponential" and _square(dims, tokens):
-            exponential = True
         # A product may print the scores with other axes merged into T's: (b, h * T, T).
-        elif inst.opcode == "dot" or (
+        if inst.opcode == "dot" or (
             inst.opcode == "custom-call" and any(k in inst.attributes for k in ("gemm", "matmul"))
         ):
-            product = True
-        if product and exponential:
-            return True
-    return False
+            products.add(inst.name)
+    return bool(products) and any(
+        inst.opcode == "exponential"
+        and _square(inst.shape.dims, tokens)
+        and made_from(program, inst, products)
+        for inst in program.module.instructions.values()
+    )
 
 
 def _claimed(program: Program) -> list[tuple[int, list[tuple[Value, Instruction]]]]:
@@ -99,6 +105,9 @@ def detect(program: Program) -> list[Finding]:
         nbytes = program.peak(v for v, _ in chosen)
         if not chosen or nbytes < MIN_SHARE * program.total:
             continue
+        peak = at_peak(program, [v for v, _ in chosen])
+        if peak is not None and peak < MIN_SHARE * program.total:
+            continue  # not held at the peak: blocks would lower a point that is not the top
         evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
         out.append(
             finding(

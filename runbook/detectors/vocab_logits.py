@@ -14,6 +14,7 @@ import math
 from .._hlo import Instruction, Shape
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
+from ._common import PRODUCTS, made_from
 
 MIN_SHARE = 0.10  # of the program's total, held at once by tokens x vocabulary arrays
 MAX_EVIDENCE = 6
@@ -35,7 +36,6 @@ def rule() -> str:
 # What moves or re-types a matrix on its way from the input to its product: a cast to
 # bfloat16, a transpose, a copy, the all-gather of a sharded weight.
 _MOVES = ("bitcast", "copy", "reshape", "convert", "transpose", "all-gather")
-_PRODUCTS = ("dot", "convolution")
 
 
 def _matrix_input(program: Program, inst: Instruction | None) -> tuple[int, ...] | None:
@@ -64,7 +64,7 @@ def _logits(program: Program) -> dict[tuple[int, int], set[str]]:
     result has a side V of the matrix, outside loops: logits, seen by where they come from."""
     found: dict[tuple[int, int], set[str]] = {}
     for inst in program.module.instructions.values():
-        if inst.opcode not in _PRODUCTS or len(inst.operands) != 2 or program.in_loop(inst):
+        if inst.opcode not in PRODUCTS or len(inst.operands) != 2 or program.in_loop(inst):
             continue
         dims = inst.shape.dims
         elements = math.prod(dims)
@@ -76,24 +76,6 @@ def _logits(program: Program) -> dict[tuple[int, int], set[str]]:
                 if dims.count(v) == 1:
                     found.setdefault((v, elements), set()).add(inst.name)
     return found
-
-
-def _made_from(program: Program, inst: Instruction, products: set[str], limit: int = 256) -> bool:
-    """Whether `inst` is computed from one of `products` by operations that multiply no
-    further (through fusions' parameters): a softmax of the logits themselves, not of
-    attention scores made from a projection by a second product."""
-    todo, seen = [inst], set[str]()
-    while todo and len(seen) < limit:
-        current = program.outside(todo.pop(0))
-        if current.name in products:
-            return True
-        if current.name in seen:
-            continue
-        seen.add(current.name)
-        if current.opcode in _PRODUCTS:
-            continue
-        todo += [i for n in current.operands if (i := program.module.get(n)) is not None]
-    return False
 
 
 def _maxima(program: Program) -> list[Instruction]:
@@ -119,11 +101,11 @@ def detect(program: Program) -> list[Finding]:
         if inst.opcode != "exponential" or not dims or program.in_loop(inst):
             continue
         key = (dims[-1], math.prod(dims))
-        if key in logits and _made_from(program, inst, logits[key]):
+        if key in logits and made_from(program, inst, logits[key]):
             softmax.add(key)  # the exponential of those very products
     maxima = _maxima(program)
     softmax = {
-        (v, n) for v, n in softmax if any(_made_from(program, m, logits[v, n]) for m in maxima)
+        (v, n) for v, n in softmax if any(made_from(program, m, logits[v, n]) for m in maxima)
     }
     out = []
     taken: set[tuple[str, str]] = set()
