@@ -106,7 +106,7 @@ def at_peak(program: Program, values: list[Value]) -> int | None:
     if not program.schedule:
         return None
     position = program.shared(of_program).position
-    live = {}
+    live: dict[tuple[int, int], int] = {}
     for v in values:
         found = program.live.get((v.instruction, v.index))
         if found is not None and found[0] <= position <= found[1]:
