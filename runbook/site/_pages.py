@@ -222,6 +222,7 @@ def bench_report(path: str | None = None) -> list[Any]:
                 "measure",
                 "measure / bare",
                 "measure with buffers / bare",
+                "diagnose / bare",
             ],
             [
                 [
@@ -231,11 +232,13 @@ def bench_report(path: str | None = None) -> list[Any]:
                     f"{r['measure_seconds']:.3f} s",
                     f"{r['measure_ratio']:.2f}x",
                     f"{r['measure_buffers_ratio']:.2f}x",
+                    f"{r['diagnose_ratio']:.2f}x" if "diagnose_ratio" in r else "-",
                 ]
                 for c, r in data["measure_overhead"].items()
             ],
-            "runbook.measure against a bare jax.jit(f).lower(...).compile() of the same "
-            "program, interleaved, best of three.",
+            "runbook.measure and runbook.diagnose against a bare "
+            "jax.jit(f).lower(...).compile() of the same program, interleaved, best of three, "
+            "JAX's in-memory caches emptied before each so that every one compiles.",
         ),
         Table(
             ["case", "scale", "run time / the reproduction's, per variant"],

@@ -22,8 +22,11 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from ... import __version__, _provenance, _subprocess
 from ..._case import case_names, get_case, measure_case
+from ..._diagnose import diagnose
 from ..._errors import RunbookError
 from ..._measure import compile_fn, measure
 from ..._provenance import Provenance
@@ -53,9 +56,21 @@ def case_seconds(names: Sequence[str], progress: Callable[[str], None]) -> dict[
     return out
 
 
+def _cold(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` after JAX's in-memory caches are emptied (outside the timing): a second
+    ``lower().compile()`` of one program is otherwise a cache hit, not a compile."""
+
+    def timed() -> float:
+        jax.clear_caches()
+        return _seconds(fn)
+
+    return timed
+
+
 def measure_overhead(names: Sequence[str], progress: Callable[[str], None]) -> dict[str, Any]:
-    """`measure`'s time against a bare ``jax.jit(f).lower(...).compile()`` of the same
-    program (the reproduction at seed scale), interleaved, best of three each."""
+    """`measure`'s and `diagnose`'s time against a bare ``jax.jit(f).lower(...).compile()``
+    of the same program (the reproduction at seed scale), interleaved, best of three each,
+    every one a real compile (JAX's caches emptied before each)."""
     out = {}
     for name in names:
         case = get_case(name)
@@ -67,20 +82,26 @@ def measure_overhead(names: Sequence[str], progress: Callable[[str], None]) -> d
         args = case.inputs(v, size, params, False)
         options = case.options()
         program = v.program(params)
-        bare_compile = functools.partial(compile_fn, program, *args, compiler_options=options)
         plain_measure = functools.partial(measure, program, *args, compiler_options=options)
-        bare, plain, with_buffers = [], [], []
-        for _ in range(3):  # interleaved, so that the machine's load falls on all three alike
-            bare.append(_seconds(bare_compile))
-            plain.append(_seconds(plain_measure))
-            with_buffers.append(_seconds(functools.partial(plain_measure, buffers=True)))
-        out[name] = {
-            "program": v.name,
-            "bare_compile_seconds": round(min(bare), 4),
-            "measure_seconds": round(min(plain), 4),
-            "measure_buffers_seconds": round(min(with_buffers), 4),
-            "measure_ratio": round(min(plain) / min(bare), 3),
-            "measure_buffers_ratio": round(min(with_buffers) / min(bare), 3),
+        timers = {
+            "bare_compile": _cold(
+                functools.partial(compile_fn, program, *args, compiler_options=options)
+            ),
+            "measure": _cold(plain_measure),
+            "measure_buffers": _cold(functools.partial(plain_measure, buffers=True)),
+            "diagnose": _cold(functools.partial(diagnose, program, *args)),
+        }
+        seconds: dict[str, list[float]] = {k: [] for k in timers}
+        for _ in range(3):  # interleaved, so that the machine's load falls on all alike
+            for k, timed in timers.items():
+                seconds[k].append(timed())
+        best = {k: min(v) for k, v in seconds.items()}
+        out[name] = {"program": v.name}
+        out[name] |= {f"{k}_seconds": round(s, 4) for k, s in best.items()}
+        out[name] |= {
+            f"{k}_ratio": round(s / best["bare_compile"], 3)
+            for k, s in best.items()
+            if k != "bare_compile"
         }
         progress(f"overhead {name}: {out[name]['measure_ratio']}x without buffers")
     return out
