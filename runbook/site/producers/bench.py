@@ -96,9 +96,9 @@ def measure_overhead(names: Sequence[str], progress: Callable[[str], None]) -> d
             for k, timed in timers.items():
                 seconds[k].append(timed())
         best = {k: min(v) for k, v in seconds.items()}
-        out[name] = {"program": v.name}
-        out[name] |= {f"{k}_seconds": round(s, 4) for k, s in best.items()}
-        out[name] |= {
+        row: dict[str, Any] = {"program": v.name}
+        row |= {f"{k}_seconds": round(s, 4) for k, s in best.items()}
+        out[name] = row | {
             f"{k}_ratio": round(s / best["bare_compile"], 3)
             for k, s in best.items()
             if k != "bare_compile"
