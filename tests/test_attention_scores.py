@@ -1,5 +1,6 @@
 """attention-scores: the bars on every target shown, cuDNN marked not applicable off GPU,
-the same-result check and that it can fail, and the fixes' `scale` against plain attention."""
+the same-result check and that it can fail, and the fixes' `scale` and `causal=False`
+against plain attention."""
 
 from __future__ import annotations
 
@@ -109,11 +110,12 @@ FIXES = {
 SCALE_TOLERANCE = 1e-4  # of each array's largest magnitude; float32 gets within 1e-5
 
 
-def _plain_attention(q, k, v, scale):
+def _plain_attention(q, k, v, scale, causal=True):
     t = q.shape[1]
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
 def _output_and_grads(attend, q, k, v, d_out):
@@ -162,3 +164,59 @@ def test_a_fix_s_scale_none_is_its_default_one_over_sqrt_head_dim(fix, qkvg):
     # It can fail: another scale (1.0, no scaling) changes every array.
     one = _output_and_grads(lambda q, k, v: FIXES[fix](q, k, v, scale=1.0), q, k, v, d_out)
     assert not any(np.allclose(a, b) for a, b in zip(none, one, strict=True))
+
+
+# `causal=False` (ViT, VAE and UNet spatial attention): the fixes against plain attention
+# with no mask, in value and gradient, float32; several heads, and several blocks or chunks.
+UNMASKED = {  # id: shape (batch, tokens, heads, head_dim), block or chunk, scale
+    "3-heads-4-blocks": ((2, 64, 3, 8), 16, None),
+    "scale-1": ((2, 64, 3, 8), 16, 1.0),
+    "one-block": ((1, 32, 2, 4), 32, 0.3),
+}
+SIZED = {
+    "blockwise": lambda q, k, v, size, **kw: attn.attention_blockwise(q, k, v, block=size, **kw),
+    "chunked": lambda q, k, v, size, **kw: attn.attention_chunked(q, k, v, chunk=size, **kw),
+}
+
+
+def _value_and_grads(attend, q, k, v, w):
+    """The output of `attend` and the gradients of ``sum(output * w)`` for q, k and v."""
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v) * w)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    return [np.asarray(a) for a in (jax.jit(attend)(q, k, v), *grads)]
+
+
+@pytest.mark.parametrize("fix", SIZED)
+@pytest.mark.parametrize("case", UNMASKED)
+def test_a_fix_with_causal_false_matches_attention_with_no_mask(fix, case):
+    shape, size, scale = UNMASKED[case]
+    rng = np.random.default_rng(1)
+    q, k, v, w = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(4))
+    if scale == 1.0:  # the model scaled q itself
+        q = q * shape[-1] ** -0.5
+    ref_scale = shape[-1] ** -0.5 if scale is None else scale
+    want = _value_and_grads(
+        lambda q, k, v: _plain_attention(q, k, v, ref_scale, causal=False), q, k, v, w
+    )
+    got = _value_and_grads(
+        lambda q, k, v: SIZED[fix](q, k, v, size, scale=scale, causal=False), q, k, v, w
+    )
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+    # It can fail: the causal default on the same inputs misses every array.
+    causal = _value_and_grads(lambda q, k, v: SIZED[fix](q, k, v, size, scale=scale), q, k, v, w)
+    assert not any(
+        np.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(causal, want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("fix", FIXES)
+def test_a_fix_s_causal_true_is_its_default(fix, qkvg):
+    # Its match with plain causal attention is the `scale` tests' above.
+    q, k, v, d_out = qkvg
+    default = _output_and_grads(FIXES[fix], q, k, v, d_out)
+    causal = _output_and_grads(lambda q, k, v: FIXES[fix](q, k, v, causal=True), q, k, v, d_out)
+    assert all(np.array_equal(a, b) for a, b in zip(causal, default, strict=True))

@@ -5,7 +5,8 @@ needs the probabilities again, so XLA keeps them (or their gradients) alive at t
 size: memory quadratic in the sequence. Reports: jax-ml/jax PR #20145, google/flax#2858,
 and many diffusers / big_vision reports. The functions below are the reproduction and its
 fixes; copy the one you need. Inputs are ``(batch, tokens, heads, head_dim)``, the layout
-of `jax.nn.dot_product_attention`; every function here is causal."""
+of `jax.nn.dot_product_attention`. Every function here is causal; the two fixes take
+``causal=False`` for attention that sees every token (ViT, VAE and UNet spatial attention)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,19 @@ def attention_cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def attention_chunked(
-    q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = CHUNK, scale: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    chunk: int = CHUNK,
+    scale: float | None = None,
+    causal: bool = True,
 ) -> jax.Array:
     """Queries in chunks, each under `jax.checkpoint` (Rabe & Staats, arXiv 2112.05682).
 
     `jax.lax.map` runs the chunks one after another; each makes ``chunk x T`` scores,
     and `jax.checkpoint` makes the gradient compute them again instead of keeping them.
     The tokens must divide into chunks; `scale` defaults to ``1 / sqrt(head_dim)``.
+    `causal` (a Python bool): each query sees the keys at or before it; False, every key.
     """
     b, t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
@@ -49,8 +56,12 @@ def attention_chunked(
     def rows(start: jax.Array) -> jax.Array:
         qc = lax.dynamic_slice_in_dim(q, start, chunk, axis=1)
         s = jnp.einsum("bqhd,bkhd->bhqk", qc, k, preferred_element_type=jnp.float32)
-        causal = cols[None, :] <= (start + jnp.arange(chunk))[:, None]
-        p = jax.nn.softmax(jnp.where(causal, s * scale, -jnp.inf), axis=-1)
+        if causal:  # a Python bool: the unmasked program has no mask in it at all
+            seen = cols[None, :] <= (start + jnp.arange(chunk))[:, None]
+            s = jnp.where(seen, s * scale, -jnp.inf)
+        else:
+            s = s * scale
+        p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
 
     out = lax.map(jax.checkpoint(rows), jnp.arange(0, t, chunk))  # (t // chunk, b, chunk, h, d)
@@ -79,19 +90,25 @@ def _put_row(x: jax.Array, row: jax.Array, i: jax.Array, head: jax.Array, size: 
     return lax.dynamic_update_slice(x, row[:, None].astype(x.dtype), (0, head, i * size))
 
 
-def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, scale: float) -> jax.Array:
-    """Block (i, j) of one head's scaled, causally masked scores, float32 ``(b, size, size)``."""
+def _scores(
+    qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, scale: float, causal: bool
+) -> jax.Array:
+    """Block (i, j) of one head's scaled scores, float32 ``(b, size, size)``, causally
+    masked if `causal`."""
     s = jnp.einsum("bqd,bkd->bqk", qi, kj, preferred_element_type=jnp.float32)
+    if not causal:
+        return s * scale
     size = qi.shape[1]
     rows, cols = i * size + jnp.arange(size), j * size + jnp.arange(size)
     return jnp.where(cols[None, :] <= rows[:, None], s * scale, -jnp.inf)
 
 
 def _forward(
-    q: jax.Array, k: jax.Array, v: jax.Array, size: int, scale: float | None
+    q: jax.Array, k: jax.Array, v: jax.Array, size: int, scale: float | None, causal: bool
 ) -> tuple[jax.Array, jax.Array]:
     """The output and each row's log-sum-exp ``(b, h, t)``: for each head and block of
-    queries, the blocks of keys at or before it (an online softmax), written in place."""
+    queries, the blocks of keys at or before it (all of them unless `causal`) in an online
+    softmax, written in place."""
     b, t, h, d = q.shape
     n = t // size
     scale = d**-0.5 if scale is None else scale
@@ -103,7 +120,7 @@ def _forward(
 
         def step(j: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             m, total, pv = acc
-            s = _scores(qi, _block(k, j, head, size), i, j, scale)
+            s = _scores(qi, _block(k, j, head, size), i, j, scale, causal)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             fade = jnp.exp(m - m_new)
@@ -112,7 +129,8 @@ def _forward(
             return m_new, total * fade + p.sum(-1), pv * fade[..., None] + pv_j
 
         init = (jnp.full((b, size), -jnp.inf), jnp.zeros((b, size)), jnp.zeros((b, size, d)))
-        m, total, pv = lax.fori_loop(0, i + 1, step, init)
+        # Causal: the key blocks after block i are masked whole, so the loop stops at i.
+        m, total, pv = lax.fori_loop(0, i + 1 if causal else n, step, init)
         out = _put(out, pv / total[..., None], i, head, size)
         return out, _put_row(lse, m + jnp.log(total), i, head, size)
 
@@ -121,9 +139,14 @@ def _forward(
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def attention_blockwise(
-    q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK, scale: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    block: int = BLOCK,
+    scale: float | None = None,
+    causal: bool = True,
 ) -> jax.Array:
     """The fix for every target: blocks of queries and keys, with its own gradient.
 
@@ -134,19 +157,21 @@ def attention_blockwise(
     in place into arrays of the inputs' layout. Nothing of size ``T x T`` exists, nor a
     transposed copy of an input; the tokens must divide into blocks. `scale` multiplies the
     scores: None (the default) for ``1 / sqrt(head_dim)``; 1.0 if q comes scaled already.
+    `causal` (a Python bool, static): each query sees the keys at or before it, and only
+    those blocks are computed; False, every query sees every key (every block).
     """
-    return _forward(q, k, v, block, scale)[0]
+    return _forward(q, k, v, block, scale, causal)[0]
 
 
 def _blockwise_forward(
-    q: jax.Array, k: jax.Array, v: jax.Array, block: int, scale: float | None
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int, scale: float | None, causal: bool
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    out, lse = _forward(q, k, v, block, scale)
+    out, lse = _forward(q, k, v, block, scale, causal)
     return out, (q, k, v, lse)
 
 
 def _blockwise_backward(
-    size: int, scale: float | None, saved: tuple[jax.Array, ...], g: jax.Array
+    size: int, scale: float | None, causal: bool, saved: tuple[jax.Array, ...], g: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q, k, v, lse = saved
     b, t, h, d = q.shape
@@ -156,7 +181,7 @@ def _blockwise_backward(
     def probs(
         qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, head: jax.Array
     ) -> jax.Array:
-        return jnp.exp(_scores(qi, kj, i, j, scale) - _row(lse, i, head, size)[..., None])
+        return jnp.exp(_scores(qi, kj, i, j, scale, causal) - _row(lse, i, head, size)[..., None])
 
     def query_pass(at: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         dq, delta = carry
@@ -168,7 +193,8 @@ def _blockwise_backward(
             return acc + jnp.einsum("bqk,bkd->bqd", p.astype(v.dtype), _block(v, j, head, size),
                                     preferred_element_type=f32)  # fmt: skip
 
-        out = lax.fori_loop(0, i + 1, out_step, jnp.zeros((b, size, d), f32))
+        # The key blocks query block i sees: up to i if causal, else all of them.
+        out = lax.fori_loop(0, i + 1 if causal else n, out_step, jnp.zeros((b, size, d), f32))
         di = jnp.einsum("bqd,bqd->bq", gi.astype(f32), out)  # rowsum(dO * O)
 
         def dq_step(j: jax.Array, acc: jax.Array) -> jax.Array:
@@ -178,7 +204,7 @@ def _blockwise_backward(
             return acc + jnp.einsum("bqk,bkd->bqd", ds.astype(k.dtype), kj,
                                     preferred_element_type=f32)  # fmt: skip
 
-        dqi = lax.fori_loop(0, i + 1, dq_step, jnp.zeros((b, size, d), f32))
+        dqi = lax.fori_loop(0, i + 1 if causal else n, dq_step, jnp.zeros((b, size, d), f32))
         return _put(dq, dqi * scale, i, head, size), _put_row(delta, di, i, head, size)
 
     dq, delta = lax.fori_loop(0, h * n, query_pass, (jnp.zeros_like(q), jnp.zeros((b, h, t), f32)))
@@ -199,7 +225,8 @@ def _blockwise_backward(
             return dkj, dvj
 
         zeros = jnp.zeros((b, size, d), f32)
-        dkj, dvj = lax.fori_loop(j, n, step, (zeros, zeros))
+        # The query blocks that see key block j: from j on if causal, else all of them.
+        dkj, dvj = lax.fori_loop(j if causal else 0, n, step, (zeros, zeros))
         return _put(dk, dkj * scale, j, head, size), _put(dv, dvj, j, head, size)
 
     dk, dv = lax.fori_loop(0, h * n, key_pass, (jnp.zeros_like(k), jnp.zeros_like(v)))
