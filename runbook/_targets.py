@@ -180,6 +180,21 @@ class Target:
             return f"JAX's default GPU allocator share, {GPU_ALLOCATOR_FRACTION:.0%} of memory"
         return "usable HBM as XLA's TPU compiler reports it"
 
+    def with_memory(self, memory: int) -> Target:
+        """This GPU described to XLA with `memory` bytes: a card of the same chip with less
+        memory, or the share a program gets. XLA's GPU compiler may rematerialise values to
+        fit the memory it is told, so a deviceless compile's temporaries can depend on this
+        figure (the measuring page shows a program where they do)."""
+        if self.gpu is None or self.base:
+            raise RunbookError(f"{self.name!r}: only a one-GPU target's memory can be set")
+        gib = memory / GiB
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}-{gib:g}gib",
+            label=f"{self.label}, described with {gib:g} GiB",
+            memory=int(memory),
+        )
+
     def to_json(self) -> dict[str, Any]:
         found = {"name": self.name, "device_kind": self.label, "memory": self.memory}
         return {**found, "devices": self.devices} if self.base else found

@@ -334,3 +334,23 @@ def test_a_target_name_is_looked_up_once_where_it_enters(monkeypatch, entry):
         result = runbook.measure_case("gather-grad", "tiny", target="h100", variants=["forward"])
         assert result.provenance.target == "h100"
     assert names == ["h100"]
+
+
+def test_a_gpu_target_told_less_memory_keeps_its_chip():
+    h100 = runbook.get_target("h100")
+    small = h100.with_memory(16 * GIB)
+    assert (small.name, small.memory, small.gpu) == ("h100-16gib", 16 * GIB, h100.gpu)
+    assert "16 GiB" in small.label
+    with pytest.raises(runbook.RunbookError, match="one-GPU target"):
+        runbook.get_target("v5e").with_memory(8 * GIB)
+
+
+def test_xla_recomputes_to_fit_the_memory_a_gpu_target_is_told():
+    if _targets.unavailable("h100"):
+        pytest.skip(_targets.unavailable("h100"))
+    from runbook.site._told_memory import told_memory_reports
+
+    (_, big), (_, small) = told_memory_reports("h100", (80, 16))
+    # 16 layers of float32 activations, 2 GiB each, kept whole under 80 GiB; under 16 GiB
+    # the compiler recomputes some of them
+    assert big.temp >= 32 * GIB > small.temp
