@@ -17,7 +17,7 @@ from .._render import fmt_bytes
 from ._common import at_peak, made_from
 
 MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
-MIN_TOKENS = 256  # a shorter sequence's scores are small whatever the program does
+MIN_TOKENS = 128  # a shorter sequence's scores are small whatever the program does
 MAX_EVIDENCE = 6
 PATTERN = "T x T attention scores"
 CASE = "attention-scores"
@@ -26,7 +26,8 @@ CASE = "attention-scores"
 def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
-        f"arrays with two axes of length T (an axis of an input, at least {MIN_TOKENS}), more "
+        f"arrays with two axes of length T (at least {MIN_TOKENS}: an axis of an input, or one "
+        "an exponential has twice), more "
         "elements than any input, in a program that exponentiates arrays of that shape made "
         "(with no further product) from a product (a dot) of at least T x T elements with T "
         "among their axes: a softmax of scores; "
@@ -40,10 +41,16 @@ def _square(dims: tuple[int, ...], tokens: int) -> bool:
 
 
 def _lengths(program: Program) -> dict[int, int]:
-    """Each candidate length T (an axis of an input) -> the most elements of an input."""
+    """Each candidate length T -> the most elements of an input. A candidate is an axis of
+    an input, or an axis twice in an exponential's shape (tokens a model makes itself, such
+    as a ViT's patches and class token)."""
     largest = max((math.prod(p.shape.dims) for p in program.parameters if p.shape.dims), default=0)
-    axes = {d for p in program.parameters for d in p.shape.dims if d >= MIN_TOKENS}
-    return dict.fromkeys(axes, largest)
+    axes = {d for p in program.parameters for d in p.shape.dims}
+    for inst in program.module.instructions.values():
+        if inst.opcode == "exponential":
+            dims = inst.shape.dims
+            axes |= {d for d in dims if dims.count(d) >= 2}
+    return dict.fromkeys((d for d in axes if d >= MIN_TOKENS), largest)
 
 
 def _scored(program: Program, tokens: int) -> bool:
