@@ -410,9 +410,10 @@ def _backend_caveats(compiled: Any, options: Mapping[str, Any]) -> tuple[str, ..
         return ()
     caveat = (
         f"XLA:CPU fused {fused} operation group(s) into YNNPACK kernels, whose working memory "
-        "its buffer assignment does not count: the real peak may be higher. Count it with "
-        f"compiler_options={{{YNN_OPTION!r}: ''}}, or check with a real run "
-        "(runbook.runtime_peak)."
+        "its buffer assignment does not count: the real peak may be higher. A real run says "
+        "(runbook.runtime_peak). Compiling with "
+        f"compiler_options={{{YNN_OPTION!r}: ''}} counts that memory but builds another "
+        "program; the measuring page compares both figures with real peaks."
     )
     return (caveat,)
 

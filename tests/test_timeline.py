@@ -290,6 +290,8 @@ def test_the_peak_agrees_with_a_real_run_on_cpu(case, variant):
     found = timeline_check.check(case, variant)
     assert found["peak"] <= found["total"]
     assert found["agrees"], found
+    # which number to trust: the sum of the program measure compiles agrees with its run
+    assert timeline_check.agrees(found["real"], found["sum"]), found
 
 
 def test_the_committed_real_run_check_covers_every_single_program_variant():
@@ -307,6 +309,23 @@ def test_the_committed_real_run_check_covers_every_single_program_variant():
     assert data["provenance"]["jax"]
     assert all(r["peak"] <= r["total"] for r in data["rows"])
     assert "agree" in timeline_check.table(data).caption
+
+
+def test_the_committed_check_says_which_number_to_trust():
+    from runbook.site.producers import timeline_check
+
+    data = timeline_check.load()
+    numbers = timeline_check.numbers_summary(data)
+    assert numbers["variants"] == len(data["rows"])  # every row has the three numbers
+    for key in ("sum", "xla_peak", "ynn_off"):
+        n = numbers[key]
+        assert n["of"] == numbers["variants"]
+        assert 0 <= n["agree"] <= n["of"]
+        assert n["low"] <= n["median"] <= n["high"]
+    # recomputed from the rows, not taken from the summary
+    agreeing = sum(timeline_check.agrees(r["real"], r["sum"]) for r in data["rows"])
+    assert numbers["sum"]["agree"] == agreeing
+    assert len(timeline_check.numbers_table(data).rows) == numbers["variants"]
 
 
 def test_a_measured_report_draws_its_own_timeline():

@@ -9,6 +9,11 @@ the compiled total, and the peak a real execution reaches in a fresh process
 before its inputs). Both compiles use the same options, XLA:CPU's YNNPACK fusion off as
 `runbook.timeline` has it, so that the run executes the program the timeline describes.
 The measuring page shows the file; the tests run `check` afresh on a few variants.
+
+The same run decides which memory number to trust. For each variant compiled as
+`runbook.measure` compiles it (the case's own options), three numbers: the runbook's sum
+(arguments + outputs + temporaries - aliased), XLA's own ``peak_memory_in_bytes``, and the
+real peak of that program run in a fresh process.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from runbook._case import case_names, get_case
+from runbook._measure import compile_fn
 from runbook._program import Program, cpu_accounting_options
 from runbook._provenance import Provenance
 from runbook._render import Table, fmt_bytes
@@ -65,6 +71,10 @@ def check(name: str, variant: str) -> dict[str, Any]:
     line = of_program(program)
     if line.total != real.predicted:
         raise AssertionError(f"{name}/{variant}: the run compiled another program")
+    default = runtime_peak(name, variant, params=real.params, repeats=0)  # as measure compiles
+    inputs = case.inputs(v, size, real.params, False)
+    stats = compile_fn(v.program(real.params), *inputs, compiler_options=case.options())
+    xla_peak = getattr(stats.memory_analysis(), "peak_memory_in_bytes", None)
     return {
         "case": name,
         "variant": variant,
@@ -75,6 +85,10 @@ def check(name: str, variant: str) -> dict[str, Any]:
         "total": line.total,
         "measured": real.measured,
         "agrees": agrees(real.measured, line.peak),
+        # which number to trust, for the program `measure` compiles:
+        "sum": default.predicted,
+        "xla_peak": int(xla_peak) if xla_peak is not None else None,
+        "real": default.measured,
     }
 
 
@@ -122,6 +136,64 @@ def table(data: dict[str, Any] | None = None) -> Table:
         f"{agreeing} of {len(rows)} agree ({data['rule']}). Each case at its runnable scale, "
         f"{p.label()}, {p.date}; made by `nox -s timeline-check` (docs/_data/timeline/).",
     )
+
+
+NUMBERS = ("sum", "xla_peak")
+NUMBER_NAMES = {"sum": "runbook's sum", "xla_peak": "XLA's peak_memory_in_bytes"}
+
+
+def numbers_table(data: dict[str, Any] | None = None) -> Table:
+    """Per variant: the runbook's sum, XLA's ``peak_memory_in_bytes`` and the real peak of
+    the program `runbook.measure` compiles, each number's ratio to the real peak."""
+    data = data or load()
+    p = Provenance(**data["provenance"])
+    rows = []
+    for r in _with_numbers(data):
+        ratios = [f"{r[k] / r['real']:.2f}x" if r[k] and r["real"] else "-" for k in NUMBERS]
+        verdicts = ["agrees" if agrees(r["real"], r[k]) else "off" for k in NUMBERS if r[k]]
+        rows.append([
+            f"{r['case']} / {r['variant']}", fmt_bytes(r["sum"]),
+            fmt_bytes(r["xla_peak"]) if r["xla_peak"] else "-", fmt_bytes(r["real"]),
+            *ratios, " / ".join(verdicts),
+        ])  # fmt: skip
+    return Table(
+        ["case / variant", "runbook's sum", "XLA peak_memory_in_bytes", "real peak",
+         "sum / real", "XLA peak / real", "verdict (sum / XLA peak)"],
+        rows,
+        f"Each program compiled as runbook.measure compiles it (the case's own options) and "
+        f"run in a fresh process at its case's runnable scale; a number agrees when the real "
+        f"peak is {agreement()} of it. {p.label()}, {p.date}; made by `nox -s timeline-check` "
+        "(docs/_data/timeline/).",
+    )  # fmt: skip
+
+
+def _with_numbers(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in data["rows"] if "real" in r]
+
+
+def numbers_summary(data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """For each number (and for ``ynn_off``, the total with XLA:CPU's YNNPACK fusion off):
+    how many variants it agrees on, and its ratios to the real peak (lowest, median,
+    highest)."""
+    import statistics
+
+    data = data or load()
+    rows = _with_numbers(data)
+    out: dict[str, Any] = {"variants": len(rows)}
+    # The third, "ynn_off": the total of the program compiled with XLA:CPU's YNNPACK fusion
+    # off (what the CPU caveat suggests to count its working memory) against the real peak
+    # of the program as compiled by default.
+    for k in (*NUMBERS, "total"):
+        have = [r for r in rows if r[k] and r["real"]]
+        ratios = sorted(r[k] / r["real"] for r in have)
+        out["ynn_off" if k == "total" else k] = {
+            "agree": sum(agrees(r["real"], r[k]) for r in have),
+            "of": len(have),
+            "low": ratios[0] if ratios else None,
+            "median": statistics.median(ratios) if ratios else None,
+            "high": ratios[-1] if ratios else None,
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
