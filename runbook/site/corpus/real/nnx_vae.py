@@ -16,9 +16,10 @@ Changed: bonsai runs the forward pass only; here the step is what fine-tuning it
 mean squared reconstruction error, its gradient by `nnx.value_and_grad` and an
 ``nnx.Optimizer`` (Adam 1e-4) update, as a `jax.jit` of NNX's functional API (graph
 definition static, state in, state out). Weights are not loaded (abstract at the authors'
-scale); our own code throughout. The attention-scores fix attends over the positions in
-chunks of queries, each under `jax.checkpoint`, written here: the runbook's
-``attention_blockwise`` and ``attention_chunked`` are causal, and this attention is not.
+scale); our own code throughout. The attention-scores fix is the runbook's
+``attention_blockwise`` with ``causal=False`` (every position attends to every other) and
+its default scale, ``1/sqrt(C)``, the model's own: blocks of 256 positions, and a gradient of
+its own that recomputes each score block, so no ``1024 x 1024`` score matrix is kept.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from runbook.cases.attention_scores import attention_blockwise
 
 from ._program import Built, RealProgram, register
 
@@ -43,7 +46,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "authors": {"channels": (128, 256, 512, 512), "groups": 32, "image": 256, "batch": 1},
     "tiny": {"channels": (8, 16), "groups": 4, "image": 16, "batch": 1},
 }
-QUERY_CHUNK = 256  # queries per chunk in the attention-scores fix
+BLOCK = 256  # positions per block (queries and keys) in the attention-scores fix
 
 
 def attend_full(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -52,14 +55,18 @@ def attend_full(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bhls,bhsd->bhld", jax.nn.softmax(scores, axis=-1), v)
 
 
-def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """The attention-scores fix: the same attention, `QUERY_CHUNK` queries at a time under
-    `lax.map`, each chunk checkpointed so that its gradient recomputes its scores."""
-    b, h, t, d = q.shape
-    size = min(QUERY_CHUNK, t // 4)  # at least four chunks
-    chunks = jnp.moveaxis(q.reshape(b, h, t // size, size, d), 2, 0)
-    out = jax.lax.map(jax.checkpoint(lambda qc: attend_full(qc, k, v)), chunks)
-    return jnp.moveaxis(out, 0, 2).reshape(b, h, t, d)
+def attend_blockwise(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The attention-scores fix: the same attention by the runbook's `attention_blockwise`,
+    not causal, at its default scale ``1/sqrt(d)`` (`attend_full`'s), heads and tokens swapped
+    to its ``(b, tokens, heads, d)`` layout and back."""
+    t = q.shape[2]
+    # At least four blocks (1024 positions: 256; the tiny scale's 64: 16), so that even the
+    # tiny same-result test goes through the online softmax across blocks; powers of two,
+    # and the blocks must divide the positions.
+    size = min(BLOCK, t // 4)
+    assert t % size == 0, (t, size)
+    out = attention_blockwise(*(x.swapaxes(1, 2) for x in (q, k, v)), block=size, causal=False)
+    return out.swapaxes(1, 2)
 
 
 class ResnetBlock(nnx.Module):
@@ -81,26 +88,26 @@ class ResnetBlock(nnx.Module):
 class Attention(nnx.Module):
     """Single-head self-attention over the H x W positions, with a residual."""
 
-    def __init__(self, channels: int, groups: int, chunked: bool, rngs: nnx.Rngs):
+    def __init__(self, channels: int, groups: int, blockwise: bool, rngs: nnx.Rngs):
         self.norm = nnx.GroupNorm(channels, num_groups=groups, epsilon=1e-6, rngs=rngs)
         self.to_q = nnx.Linear(channels, channels, rngs=rngs)
         self.to_k = nnx.Linear(channels, channels, rngs=rngs)
         self.to_v = nnx.Linear(channels, channels, rngs=rngs)
         self.to_out = nnx.Linear(channels, channels, rngs=rngs)
-        self.chunked = chunked
+        self.blockwise = blockwise
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, hh, ww, c = x.shape
         h = self.norm(x.reshape(b, hh * ww, c))
         q, k, v = (f(h)[:, None] for f in (self.to_q, self.to_k, self.to_v))  # one head
-        out = (attend_chunked if self.chunked else attend_full)(q, k, v)[:, 0]
+        out = (attend_blockwise if self.blockwise else attend_full)(q, k, v)[:, 0]
         return self.to_out(out).reshape(b, hh, ww, c) + x
 
 
 class MidBlock(nnx.Module):
-    def __init__(self, channels: int, groups: int, chunked: bool, rngs: nnx.Rngs):
+    def __init__(self, channels: int, groups: int, blockwise: bool, rngs: nnx.Rngs):
         self.res1 = ResnetBlock(channels, channels, groups, rngs)
-        self.attn = Attention(channels, groups, chunked, rngs)
+        self.attn = Attention(channels, groups, blockwise, rngs)
         self.res2 = ResnetBlock(channels, channels, groups, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -108,7 +115,7 @@ class MidBlock(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    def __init__(self, s: dict[str, Any], chunked: bool, rngs: nnx.Rngs):
+    def __init__(self, s: dict[str, Any], blockwise: bool, rngs: nnx.Rngs):
         chans, g = s["channels"], s["groups"]
         self.conv_in = nnx.Conv(3, chans[0], (3, 3), padding="SAME", rngs=rngs)
         blocks, cin = [], chans[0]
@@ -121,7 +128,7 @@ class Encoder(nnx.Module):
             blocks.append(nnx.Dict(resnets=nnx.List(res), down=nnx.data(down)))
             cin = cout
         self.blocks = nnx.List(blocks)
-        self.mid = MidBlock(cin, g, chunked, rngs)
+        self.mid = MidBlock(cin, g, blockwise, rngs)
         self.norm_out = nnx.GroupNorm(cin, num_groups=g, epsilon=1e-6, rngs=rngs)
         self.conv_out = nnx.Conv(cin, 8, (3, 3), padding="SAME", rngs=rngs)
 
@@ -136,10 +143,10 @@ class Encoder(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, s: dict[str, Any], chunked: bool, rngs: nnx.Rngs):
+    def __init__(self, s: dict[str, Any], blockwise: bool, rngs: nnx.Rngs):
         chans, g = list(reversed(s["channels"])), s["groups"]
         self.conv_in = nnx.Conv(4, chans[0], (3, 3), padding="SAME", rngs=rngs)
-        self.mid = MidBlock(chans[0], g, chunked, rngs)
+        self.mid = MidBlock(chans[0], g, blockwise, rngs)
         blocks, cin = [], chans[0]
         for i, cout in enumerate(chans):
             res = [ResnetBlock(cin if j == 0 else cout, cout, g, rngs) for j in range(3)]
@@ -163,11 +170,11 @@ class Decoder(nnx.Module):
 
 
 class VAE(nnx.Module):
-    def __init__(self, s: dict[str, Any], chunked: bool, rngs: nnx.Rngs):
-        self.encoder = Encoder(s, chunked, rngs)
+    def __init__(self, s: dict[str, Any], blockwise: bool, rngs: nnx.Rngs):
+        self.encoder = Encoder(s, blockwise, rngs)
         self.quant_conv = nnx.Conv(8, 8, (1, 1), padding="VALID", rngs=rngs)
         self.post_quant_conv = nnx.Conv(4, 4, (1, 1), padding="VALID", rngs=rngs)
-        self.decoder = Decoder(s, chunked, rngs)
+        self.decoder = Decoder(s, blockwise, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         mean, _ = jnp.split(self.quant_conv(self.encoder(x)), 2, axis=-1)
@@ -187,11 +194,11 @@ def train_step(
     return nnx.state((model, optimizer)), loss
 
 
-def _build(scale: str, concrete: bool, chunked: bool = False, donate: bool = False) -> Built:
+def _build(scale: str, concrete: bool, blockwise: bool = False, donate: bool = False) -> Built:
     s = SIZES[scale]
 
     def init() -> tuple[VAE, nnx.Optimizer[VAE]]:
-        model = VAE(s, chunked, nnx.Rngs(0))
+        model = VAE(s, blockwise, nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
 
     shape = (s["batch"], s["image"], s["image"], 3)
@@ -218,7 +225,7 @@ register(
         libraries=("flax.nnx", "optax"),
         build=build,
         fixes={
-            "attention-scores": functools.partial(_build, chunked=True),
+            "attention-scores": functools.partial(_build, blockwise=True),
             "donation": functools.partial(_build, donate=True),
         },
         tolerance=1e-3,  # a first Adam step moves each weight by about its rate

@@ -22,9 +22,10 @@ step's logged loss history are left out.
 
 The fixes:
 
-- attention-scores: the 16x16 attention's queries in chunks of 64 positions under
-  `jax.checkpoint` (`jax.lax.map`), so the gradient keeps no ``256 x 256`` score matrix per
-  image. The runbook's own blockwise attention is causal; this one is not.
+- attention-scores: the runbook's `attention_blockwise` with ``causal=False`` (every
+  position attends to every other) at its default scale, ``1/sqrt(C)``, score_sde's own:
+  blocks of 64 positions at 16x16 (at 4x4, one block of 16), and a gradient of its own that
+  recomputes each score block, so the gradient keeps no ``256 x 256`` score matrix per image.
 - scan-residuals: `nn.remat` of each residual block and attention block.
 
 No donation fix: score_sde's pmap already donates the carried state. No prng-temporaries
@@ -43,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from runbook.cases.attention_scores import attention_blockwise
+
 from ._program import Builder, Built, RealProgram, register
 
 SOURCE = (
@@ -51,10 +54,13 @@ SOURCE = (
 )
 SCALES: dict[str, dict[str, Any]] = {
     "authors": {"image": 32, "nf": 128, "ch_mult": (1, 2, 2, 2), "blocks": 2,
-                "attn": (16,), "batch": 128, "chunk": 64, "step": 0},
+                "attn": (16,), "batch": 128, "block": 64, "step": 0},
     "tiny": {"image": 16, "nf": 32, "ch_mult": (1, 2), "blocks": 1,
-             "attn": (8,), "batch": 4, "chunk": 16, "step": 2500},
+             "attn": (8,), "batch": 4, "block": 16, "step": 2500},
 }  # fmt: skip
+# "block": positions per block of the attention-scores fix, at most: four blocks over the
+# attention's positions (authors' 16 x 16, tiny's 8 x 8), so that even the tiny same-result
+# test goes through the online softmax across blocks; the 4 x 4 middle takes one block.
 N_STEPS, BETA_MIN, BETA_MAX = 1000, 0.1, 20.0
 LR, WARMUP, GRAD_CLIP, EMA_RATE, DROPOUT = 2e-4, 5000, 1.0, 0.9999, 0.1
 
@@ -82,36 +88,33 @@ class NIN(nn.Module):
         return jnp.tensordot(x, w, 1) + b
 
 
-def attention_full(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
+def attention_full(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
     """score_sde's attention: every position attends to every other, ``(B, N, N)`` scores."""
-    del chunk
+    del block
     w = jax.nn.softmax(jnp.einsum("bqc,bkc->bqk", q, k) * q.shape[-1] ** -0.5, axis=-1)
     return jnp.einsum("bqk,bkc->bqc", w, v)
 
 
-def attention_query_chunks(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
-    """The fix: `chunk` queries at a time under `jax.checkpoint`; no ``N x N`` is kept."""
+def attention_blocks(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    """The fix: the runbook's `attention_blockwise`, not causal, at its default scale
+    ``1/sqrt(C)`` (score_sde's); one head, ``(B, N, C)`` as its ``(B, N, 1, C)``."""
     b, n, c = q.shape
-    chunk = min(chunk, n)  # the middle block attends over 4 x 4 positions only
-
-    @jax.checkpoint
-    def rows(qc: jax.Array) -> jax.Array:
-        return attention_full(qc, k, v, chunk)
-
-    out: jax.Array = jax.lax.map(rows, jnp.moveaxis(q.reshape(b, n // chunk, chunk, c), 1, 0))
-    return jnp.moveaxis(out, 0, 1).reshape(b, n, c)
+    block = min(block, n)  # the middle block attends over 4 x 4 positions only
+    assert n % block == 0, (n, block)
+    heads = (x.reshape(b, n, 1, c) for x in (q, k, v))
+    return attention_blockwise(*heads, block=block, causal=False).reshape(b, n, c)
 
 
 class AttnBlock(nn.Module):
     attention: Callable[..., jax.Array]
-    chunk: int
+    block: int
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         b, hh, ww, c = x.shape
         h = nn.GroupNorm()(x)
         q, k, v = (NIN(c)(h).reshape(b, hh * ww, c) for _ in range(3))
-        h = self.attention(q, k, v, self.chunk).reshape(b, hh, ww, c)
+        h = self.attention(q, k, v, self.block).reshape(b, hh, ww, c)
         return x + NIN(c, init_scale=0.0)(h)
 
 
@@ -144,7 +147,7 @@ class DDPM(nn.Module):
     ch_mult: tuple[int, ...]
     num_res_blocks: int
     attn_resolutions: tuple[int, ...]
-    chunk: int
+    block: int
     attention: Callable[..., jax.Array] = attention_full
     remat: bool = False
 
@@ -163,7 +166,7 @@ class DDPM(nn.Module):
 
         def attn() -> Any:
             made["attn"] += 1
-            return attn_cls(self.attention, self.chunk, name=f"AttnBlock_{made['attn'] - 1}")
+            return attn_cls(self.attention, self.block, name=f"AttnBlock_{made['attn'] - 1}")
 
         temb = timestep_embedding(labels, self.nf)
         temb = nn.Dense(self.nf * 4, kernel_init=default_init())(temb)
@@ -241,12 +244,12 @@ def _step_fn(model: DDPM, tx: optax.GradientTransformation) -> Callable[..., Any
     return step_fn
 
 
-def _builder(chunked: bool = False, remat: bool = False) -> Builder:
+def _builder(blockwise: bool = False, remat: bool = False) -> Builder:
     def build(scale: str, concrete: bool) -> Built:
         s = SCALES[scale]
         model = DDPM(
-            s["nf"], s["ch_mult"], s["blocks"], s["attn"], s["chunk"],
-            attention_query_chunks if chunked else attention_full, remat,
+            s["nf"], s["ch_mult"], s["blocks"], s["attn"], s["block"],
+            attention_blocks if blockwise else attention_full, remat,
         )  # fmt: skip
         tx = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
         step = jax.jit(_step_fn(model, tx), donate_argnums=(0,))
@@ -287,7 +290,7 @@ PROGRAM = register(
         libraries=("flax.linen", "optax"),
         build=_builder(),
         fixes={
-            "attention-scores": _builder(chunked=True),
+            "attention-scores": _builder(blockwise=True),
             "scan-residuals": _builder(remat=True),
         },
         tolerance=1e-4,
