@@ -154,6 +154,24 @@ class Parameter:
     instruction: Instruction
 
 
+def _merged(op: str) -> list[str]:
+    """The op names an instruction XLA merged from several carries: ``"p/(a:b)"`` gives
+    ``["p/(a:b)", "p/a", "p/b"]``; any other name, itself."""
+    found = [op]
+    if not op.endswith(")") or "/(" not in op:
+        return found
+    prefix, _, inner = op.rpartition("/(")
+    depth, start = 0, 0
+    for k, c in enumerate(inner[:-1]):
+        depth += (c == "(") - (c == ")")
+        if c == ":" and depth == 0:
+            found.append(f"{prefix}/{inner[start:k]}")
+            start = k + 1
+    if start:
+        found.append(f"{prefix}/{inner[start:-1]}")
+    return found
+
+
 def cpu_accounting_options() -> dict[str, Any]:
     """XLA options that make XLA:CPU's buffer assignment count every kernel's memory.
 
@@ -547,7 +565,8 @@ class Program:
         if self.partitions < 2 or inst is None:
             return False
         op, _ = self.describe(inst)
-        return math.prod(Shape(value.shape).dims) in self._whole.get(op, ())
+        elements = math.prod(Shape(value.shape).dims)
+        return any(elements in self._whole.get(name, ()) for name in _merged(op))
 
     def entry_parameters_of(self, name: str) -> set[int]:
         """The entry parameters instruction `name` depends on (HLO parameter numbers)."""

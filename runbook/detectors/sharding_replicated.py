@@ -1,7 +1,7 @@
 """`sharding-replicated`: a training step's state whole on every device, every layer's
 gathered weights alive at once, or values the partitioner computes whole on every device.
 
-Three signs in a multi-device program with a backward pass:
+Three signs in a multi-device program, the first two where it has a backward pass:
 
 - inputs the step updates into outputs of their own shape (parameters, optimizer moments)
   whose sharding is the whole array on every device: each device holds all of the state,
@@ -47,7 +47,8 @@ def rule() -> str:
         f"together at a point of the schedule, at least {MIN_SHARE:.0%} of its total; or, in "
         "a program split over devices (SPMD), temporaries that hold on each device all the "
         "elements their JAX op makes in the whole program, alive together, at least "
-        f"{MIN_SHARE:.0%} of its total"
+        f"{MIN_SHARE:.0%} of its total (with or without a backward pass; attention scores and "
+        "logits among them count here, not under their own cases)"
     )
 
 
@@ -126,18 +127,16 @@ def whole_values(program: Program) -> list[Value]:
     """The temporaries of an SPMD program that each device computes whole (see
     `Program.whole_on_each_device`), leaving out what has a sign or a reason of its own:
     values shaped like an input or one layer of a stacked input (weights gathered, their
-    gradients), and partial sums on their way into an all-reduce (each device holds a
-    different one)."""
+    gradients, each device's partial sums of a gradient). Attention scores and logits computed whole count here, not in their
+    own detectors: splitting the batch is what divides them first."""
     if program.partitions < 2:
         return []
     weights = _input_elements(program)
-    partial = _partial_sums(program)
     found = []
     for v in program.values:
         if (
             v.kind == "temp"
             and v.size >= MIN_VALUE * program.total
-            and v.instruction not in partial
             and math.prod(Shape(v.shape).dims) not in weights
             and program.whole_on_each_device(v)
         ):
@@ -155,28 +154,13 @@ def _input_elements(program: Program) -> set[int]:
     return found
 
 
-def _partial_sums(program: Program) -> set[str]:
-    """Instructions whose result an all-reduce sums over the devices (through moves)."""
-    found = set()
-    for inst in program.module.entry_instructions:
-        if inst.opcode.startswith("all-reduce") or inst.opcode == "reduce-scatter":
-            todo = list(inst.operands)
-            while todo:
-                name = todo.pop()
-                operand = program.module.get(name)
-                if operand is None or name in found:
-                    continue
-                found.add(name)
-                if (
-                    operand.opcode in ("bitcast", "copy", "reshape", "transpose")
-                    and operand.operands
-                ):
-                    todo.append(operand.operands[0])
-    return found
+def whole(program: Program) -> set[tuple[str, str]]:
+    """`whole_values`, as the set other detectors leave out (each value in one finding)."""
+    return {(v.instruction, v.index) for v in program.shared(whole_values)}
 
 
 def _whole_finding(program: Program) -> list[Finding]:
-    values = whole_values(program)
+    values = program.shared(whole_values)
     nbytes = program.peak(values)
     if nbytes < MIN_SHARE * program.total:
         return []
@@ -199,6 +183,7 @@ def _whole_finding(program: Program) -> list[Finding]:
 
 
 def detect(program: Program) -> list[Finding]:
-    if program.devices < 2 or not program.has_backward:
+    if program.devices < 2:
         return []
-    return _state_finding(program) + _gathered_finding(program) + _whole_finding(program)
+    steps = _state_finding(program) + _gathered_finding(program) if program.has_backward else []
+    return steps + _whole_finding(program)  # values computed whole: with or without a gradient

@@ -5,7 +5,7 @@ so each intermediate exists for the whole batch at the same time. Where a per-ex
 intermediate is large, the batch of them is what runs out of memory; ``lax.map`` with a
 ``batch_size`` (or a rolled loop) holds a few examples' worth at a time.
 
-Attention scores made under vmap are the attention-scores detector's: each value is named
+Attention scores and logits made under vmap are their own detectors': each value is named
 by one finding.
 """
 
@@ -16,7 +16,7 @@ import re
 from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
-from . import attention_scores
+from . import attention_scores, vocab_logits
 
 MIN_SHARE = 0.25  # of the program's total, held at once by vmapped temporaries
 MAX_EVIDENCE = 6
@@ -27,8 +27,8 @@ CASE = "vmap-materialize"
 def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
-        "temporaries of operations JAX names vmap(...), outside any loop and not attention "
-        f"scores, at least {MIN_SHARE:.0%} of the program's total live at once"
+        "temporaries of operations JAX names vmap(...), outside any loop and neither attention "
+        f"scores nor logits, at least {MIN_SHARE:.0%} of the program's total live at once"
     )
 
 
@@ -38,7 +38,7 @@ _VMAP = re.compile(r"(?:^|/)vmap\(")
 def _vmapped(program: Program) -> tuple[list[tuple[Value, Instruction]], int]:
     """Temporaries of vmapped operations outside loops, and the most of them live at once."""
     chosen = []
-    claimed = attention_scores.scores(program)
+    claimed = attention_scores.scores(program) | vocab_logits.logit_values(program)
     for v in program.values:
         inst = program.module.get(v.instruction)
         if v.kind != "temp" or inst is None or program.in_loop(inst):

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 
-from .._hlo import Instruction, Shape
+from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
+from . import sharding_replicated
 from ._common import PRODUCTS, made_from
 
 MIN_SHARE = 0.10  # of the program's total, held at once by tokens x vocabulary arrays
@@ -89,27 +90,32 @@ def _maxima(program: Program) -> list[Instruction]:
     return found
 
 
-def detect(program: Program) -> list[Finding]:
+def _claimed(program: Program) -> list[tuple[int, int, list[tuple[Value, Instruction]]]]:
+    """(V, elements, the tokens x V arrays) for each softmax of logits; each value under one."""
     logits = _logits(program)
     if not logits:
         return []
-    # Their softmax: an exponential over a last axis V of as many elements, outside loops,
-    # and a maximum of them (which a sigmoid has not), both made from the products.
-    softmax = set()
+    # Their softmax: an exponential over a last axis V, outside loops, and a maximum (which
+    # a sigmoid has not), both made from the products. The exponential may hold fewer
+    # elements than the products (a partitioner computes the logits whole on every device,
+    # then slices each device's rows): both sizes count.
+    sizes: dict[tuple[int, int], set[int]] = {}
     for inst in program.module.instructions.values():
         dims = inst.shape.dims
         if inst.opcode != "exponential" or not dims or program.in_loop(inst):
             continue
-        key = (dims[-1], math.prod(dims))
-        if key in logits and made_from(program, inst, logits[key]):
-            softmax.add(key)  # the exponential of those very products
+        for key in (k for k in logits if k[0] == dims[-1] and math.prod(dims) <= k[1]):
+            if made_from(program, inst, logits[key]):  # the exponential of those very products
+                sizes.setdefault(key, {key[1]}).add(math.prod(dims))
     maxima = _maxima(program)
     softmax = {
-        (v, n) for v, n in softmax if any(made_from(program, m, logits[v, n]) for m in maxima)
+        key: found
+        for key, found in sizes.items()
+        if any(made_from(program, m, logits[key]) for m in maxima)
     }
     out = []
-    taken: set[tuple[str, str]] = set()
-    for vocab, elements in sorted(softmax, key=lambda s: -s[0] * s[1]):
+    taken = sharding_replicated.whole(program)  # computed whole: splitting the batch first
+    for (vocab, elements), counts in sorted(softmax.items(), key=lambda s: -s[0][0] * s[0][1]):
         chosen = []
         for v in program.values:
             if (v.instruction, v.index) in taken:
@@ -120,11 +126,23 @@ def detect(program: Program) -> list[Finding]:
                 v.kind in ("temp", "output")
                 and found is not None
                 and vocab in shape.dims
-                and math.prod(shape.dims) == elements
+                and math.prod(shape.dims) in counts
                 and not program.in_loop(found)
             ):
                 chosen.append((v, found))
-        taken |= {(v.instruction, v.index) for v, _ in chosen}
+        taken |= {(v.instruction, v.index) for v, _ in chosen}  # each value under one V
+        out.append((vocab, elements, chosen))
+    return out
+
+
+def logit_values(program: Program) -> set[tuple[str, str]]:
+    """The values this detector reads as logits (another detector leaves them)."""
+    return {(v.instruction, v.index) for *_, chosen in program.shared(_claimed) for v, _ in chosen}
+
+
+def detect(program: Program) -> list[Finding]:
+    out = []
+    for vocab, elements, chosen in program.shared(_claimed):
         nbytes = program.peak(v for v, _ in chosen)
         if not chosen or nbytes < MIN_SHARE * program.total:
             continue
