@@ -302,33 +302,58 @@ class Program:
             operand is not None and operand.shape.dtype == "bf16"
         )
 
-    def _widened(self) -> str | None:
+    @functools.cached_property
+    def widened(self) -> frozenset[str]:
         """XLA:CPU multiplies bfloat16 in float32: the products it widened (a float32 dot of
         bfloat16 operands converted up, whose result is converted back down) and those
-        operand copies, as a caveat with the most bytes they hold at once; None if none."""
+        operand copies, by instruction name. Empty for a target's compiler."""
+        if self.target is not None or jax.default_backend() != "cpu":
+            return frozenset()
         m = self.module
 
         def made(inst: Instruction, dtype: str) -> bool:  # a convert (fused or not) to dtype
             root = m.through(inst)
             return inst.shape.dtype == dtype and root.opcode in ("convert", "bitcast")
 
-        widened: dict[str, Instruction] = {}
+        widened: set[str] = set()
         for dot in m.entry_instructions:
             if dot.opcode != "dot" or dot.shape.dtype != "f32":
                 continue
             copies = [o for k in range(2) if (o := m.operand(dot, k)) is not None]
             upcast = [o for o in copies if made(o, "f32") and self._through_bf16(o)]
             if len(upcast) == 2 and any(made(u, "bf16") for u in m.users.get(dot.name, [])):
-                widened |= {i.name: i for i in (dot, *upcast)}
-        values = [v for i in widened.values() for v in self.values_of(i.name) if v.kind == "temp"]
+                widened |= {i.name for i in (dot, *upcast)}
+            else:  # a float32 input cast to bfloat16 (a model's compute dtype), then back up
+                widened |= {o.name for o in upcast if self._round_trip(o)}
+        return frozenset(widened)
+
+    def _round_trip(self, inst: Instruction) -> bool:
+        """Whether `inst` is a float32 value converted to bfloat16 and back inside itself."""
+        operand = self.module.operand(inst, 0)
+        root = self.module.through(inst)
+        return (
+            inst.opcode == "fusion"
+            and operand is not None
+            and operand.shape.dtype == "f32"
+            and root.opcode == "convert"
+            and any(
+                i.opcode == "convert" and i.shape.dtype == "bf16"
+                for i in self.module.inner_ops(inst)
+            )
+        )
+
+    def _widened(self) -> str | None:
+        """`widened` as a caveat with the most bytes those values hold at once; None if none."""
+        values = [v for n in self.widened for v in self.values_of(n) if v.kind == "temp"]
         if not values:
             return None
-        products = sum(1 for i in widened.values() if i.opcode == "dot")
+        products = sum(1 for n in self.widened if self.module.instructions[n].opcode == "dot")
+        copies = len(self.widened) - products
         return (
-            f"XLA:CPU multiplies bfloat16 in float32: {products} bfloat16 products and their "
-            f"operands are float32 buffers here, {fmt_bytes(self.peak(values))} at most at once "
-            "(half that in bfloat16). A GPU or TPU compiler may keep them in bfloat16: "
-            "diagnose with target= to see."
+            f"XLA:CPU multiplies bfloat16 in float32: {products} bfloat16 product(s) and "
+            f"{copies} bfloat16 operand(s) are float32 buffers here, "
+            f"{fmt_bytes(self.peak(values))} at most at once (half that in bfloat16). A GPU or "
+            "TPU compiler may keep them in bfloat16: diagnose with target= to see."
         )
 
     # --- inputs and outputs ---------------------------------------------------------------

@@ -704,7 +704,7 @@ def test_cpu_widening_of_bfloat16_products_is_a_caveat_with_its_bytes():
     if jax.default_backend() != "cpu":
         pytest.skip("XLA:CPU's widening")
     (caveat,) = _caveats(lambda x, w: jnp.tanh(x @ w), jnp.bfloat16)
-    assert "1 bfloat16 products" in caveat
+    assert "1 bfloat16 product(s) and 2 bfloat16 operand(s)" in caveat
     # At most at once: the float32 product, and at most both float32 operand copies beside it.
     mib = float(re.search(r"([\d.]+) MiB at most at once", caveat)[1])
     assert 512 * 2048 * 4 <= mib * 2**20 <= (512 * 2048 + 512 * 1024 + 1024 * 2048) * 4

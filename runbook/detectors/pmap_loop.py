@@ -11,7 +11,9 @@ Values that each feed outputs of their own (one weight gradient per layer, each 
 its own layer) are left out: a rolled loop would still return every one of them, so
 rolling it would not free them. So are the forward pass's values that the backward pass
 reads (each layer's activations): a rolled loop stacks them one per step. And so are
-random bits (one dropout draw per layer), which prng-temporaries reads.
+random bits (one dropout draw per layer), which prng-temporaries reads. And so are the
+float32 copies XLA:CPU makes of each bfloat16 operand it multiplies (each layer's weights):
+a GPU or TPU compiler keeps them in bfloat16, and the diagnosis's caveat counts them.
 
 Replicated inputs. ``jax.pmap(..., in_axes=None)``, or a `NamedSharding` with an empty
 `PartitionSpec`, puts the whole array on every device. Often intended (parameters in data
@@ -126,6 +128,8 @@ def _repeats(program: Program) -> list[_Group]:
             continue  # a residual the gradient keeps: a rolled loop would stack it too
         if bits and v.shape.split("[")[0] in _UNSIGNED:
             continue  # random bits (dropout's, one draw per layer): prng-temporaries' own
+        if v.instruction in program.widened:
+            continue  # XLA:CPU's float32 copies of bfloat16 operands: the caveat's, CPU only
         _, source = program.describe(inst)
         if source:
             groups[(v.shape, source)].append(v)
