@@ -10,6 +10,7 @@ attention in blocks with its own gradient (or a fused kernel) holds one block at
 from __future__ import annotations
 
 import math
+import re
 
 from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
@@ -31,7 +32,8 @@ def rule() -> str:
         "an exponential has twice), more "
         "elements than any input, in a program that exponentiates arrays of that shape made "
         "(with no further product) from a product (a dot) of at least T x T elements with T "
-        "among their axes: a softmax of scores; "
+        "among their axes that sums over an axis of two operands each with a T axis: a "
+        "softmax of scores; "
         f"reported at {MIN_SHARE:.0%} of the program's total live at once, and as much "
         "live at the program's peak"
     )
@@ -54,6 +56,17 @@ def _lengths(program: Program) -> dict[int, int]:
     return dict.fromkeys((d for d in axes if d >= MIN_TOKENS), largest)
 
 
+def _compares(program: Program, dot: Instruction, tokens: int) -> bool:
+    """Whether `dot` sums over a shared axis of two operands that each have T among their
+    axes: tokens compared with tokens (q k^T), not an outer product (a state-space model's
+    step times its state matrix has two axes of one length, and contracts nothing)."""
+    contracted = re.search(r"lhs_contracting_dims=\{(\d[\d,]*)\}", dot.attributes)
+    sides = [program.operand(dot, k) for k in range(2)]
+    return bool(contracted) and all(
+        side is not None and tokens in side.shape.dims for side in sides
+    )
+
+
 def _scored(program: Program, tokens: int) -> bool:
     """True when the program exponentiates T x T arrays made, by operations that multiply
     no further, from a product of T x T elements or more with T among its axes (other axes
@@ -65,7 +78,7 @@ def _scored(program: Program, tokens: int) -> bool:
         if tokens not in dims or math.prod(dims) < tokens * tokens:
             continue
         # A product may print the scores with other axes merged into T's: (b, h * T, T).
-        if inst.opcode == "dot" or (
+        if (inst.opcode == "dot" and _compares(program, inst, tokens)) or (
             inst.opcode == "custom-call" and any(k in inst.attributes for k in ("gemm", "matmul"))
         ):
             products.add(inst.name)
