@@ -73,12 +73,12 @@ def test_each_fix_of_a_multi_device_program_computes_the_same_result():
 
 def test_the_committed_measurements_cover_every_program_and_follow_from_their_figures():
     data = real_corpus.load()
-    rows = {(r["program"], r["target"]): r for r in data["rows"]}
-    measured = {target for _, target in rows}
-    assert "cpu" in measured
-    for p in PROGRAMS:  # every program, on every target measured at all
-        for target in measured:
-            assert (p.name, target) in rows, (p.name, target)
+    rows = {(r["program"], r["target"], real_corpus.release(r)): r for r in data["rows"]}
+    measured = {(target, release) for _, target, release in rows}
+    assert "cpu" in {target for target, _ in measured}
+    for p in PROGRAMS:  # every program, on every target and release measured at all
+        for target, release in measured:
+            assert (p.name, target, release) in rows, (p.name, target, release)
     for r in data["rows"]:
         if "error" in r:
             continue
@@ -88,6 +88,49 @@ def test_the_committed_measurements_cover_every_program_and_follow_from_their_fi
         assert r["expected"] == expected
         assert r["missed"] == sorted(set(expected) - set(r["named"]))
         assert r["false_alarms"] == sorted(set(r["named"]) - set(expected))
-    assert data["provenance"]["jax"]
+    assert set(data["releases"]) == {release for _, release in measured}
+    assert all(p["jax"] == release for release, p in data["releases"].items())
     assert data["programs"] == real_corpus.described()  # what the page lists, as it is now
     assert "authors' scale" in real_corpus.table(data).caption
+
+
+def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once():
+    # The FSDP step computes its activations and logits for the whole batch on each device
+    # (its fix, one constraint on them, saves most of its memory at the authors' scale):
+    # named there, not once the fix is applied, and no buffer counted by two findings.
+    child = textwrap.dedent(
+        """
+        import json, runbook
+        from runbook.site.corpus.real import get
+        program = get("nanodo-fsdp")
+        out = {}
+        for label, build in (("step", program.build), ("fixed", program.fixes["sharding-replicated"])):
+            fn, args = build("tiny", False)
+            d = runbook.diagnose(fn, *args)
+            out[label] = {
+                "total": d.report.total,
+                "findings": [[f.case, f.pattern, f.bytes, [b.instruction for b in f.evidence]]
+                             for f in d.findings if not f.informational],
+            }
+        print(json.dumps(out))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child],
+        env=child_env(real.get("nanodo-fsdp").devices),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    step, fixed = found["step"], found["fixed"]
+    assert ["sharding-replicated", "values computed whole on every device"] in [
+        f[:2] for f in step["findings"]
+    ]
+    assert "values computed whole on every device" not in [f[1] for f in fixed["findings"]]
+    for d in (step, fixed):
+        assert sum(f[2] for f in d["findings"]) <= d["total"]
+        shown = [name for f in d["findings"] for name in f[3]]
+        assert len(shown) == len(set(shown)), shown  # each buffer in one finding

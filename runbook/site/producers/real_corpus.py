@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import pathlib
+import re
 import sys
 import time
 import traceback
 from typing import Any
+
+import jax
+
+from runbook import _releases
 
 OUT = pathlib.Path(__file__).resolve().parents[3] / "docs" / "_data" / "corpus" / "real.json"
 THRESHOLD = 0.05  # a fix saving at least this share of the total shows its mechanism
@@ -45,7 +51,7 @@ def evaluate(name: str, target: str) -> dict[str, Any]:
     program = real.get(name)
     t = None if target == "cpu" else _targets.require(target)
     options = cpu_accounting_options() if t is None else {}
-    row: dict[str, Any] = {"program": name, "target": target}
+    row: dict[str, Any] = {"program": name, "target": target, "jax": jax.__version__}
     with _targets.compiling_for(t):  # meshes built on the target's devices
         fn, args = program.build("authors", False)
         start = time.perf_counter()
@@ -125,23 +131,40 @@ def provenance() -> dict[str, Any]:
 
 
 def load(path: str | pathlib.Path = OUT) -> dict[str, Any]:
-    """The committed file: ``provenance``, ``threshold`` and ``rows``."""
+    """The committed file: ``releases`` (each JAX release's provenance), ``threshold``,
+    ``programs`` and ``rows`` (one per program, target and release)."""
     data: dict[str, Any] = json.loads(pathlib.Path(path).read_text())
     return data
+
+
+def release(row: dict[str, Any]) -> str:
+    """The JAX release a row was measured with."""
+    if "jax" in row:
+        return str(row["jax"])
+    found = re.search(r"jax (\S+)", row.get("backend", ""))
+    return found[1] if found else "?"
+
+
+def releases(data: dict[str, Any]) -> list[str]:
+    """The releases the file holds rows for, newest first."""
+    return sorted({release(r) for r in data["rows"]}, key=_releases.release_key, reverse=True)
 
 
 def _pct(x: float) -> str:
     return f"{x:.0%}"
 
 
-def table(data: dict[str, Any] | None = None) -> Any:
-    """Per program and target: what the fixes measured, what diagnose named, its time."""
+def table(data: dict[str, Any] | None = None, jax_release: str | None = None) -> Any:
+    """Per program and target: what the fixes measured, what diagnose named, its time; for
+    one release (default: the newest the file holds)."""
     from runbook._render import Table, fmt_bytes
 
     data = data or load()
+    jax_release = jax_release or releases(data)[0]
     order = {p["name"]: i for i, p in enumerate(data["programs"])}
     rows = []
-    for r in sorted(data["rows"], key=lambda r: (order.get(r["program"], 99), r["target"])):
+    chosen = [r for r in data["rows"] if release(r) == jax_release]
+    for r in sorted(chosen, key=lambda r: (order.get(r["program"], 99), r["target"])):
         if "error" in r:
             rows.append(
                 [r["program"], r["target"], "-", "-", "-", "-", f"error: {r['error'][:80]}"]
@@ -159,7 +182,7 @@ def table(data: dict[str, Any] | None = None) -> Any:
             ", ".join(r["missed"] + [f"{c} (false alarm)" for c in r["false_alarms"]]) or "-",
             f"{ratio:.1f}x",
         ])  # fmt: skip
-    p = data["provenance"]
+    p = data["releases"][jax_release]
     return Table(
         ["program", "target", "per device", "fixes that save (measured)", "named (share)",
          "missed / false alarms", "diagnose / compile"],
@@ -178,10 +201,12 @@ def summary(data: dict[str, Any] | None = None) -> str:
 
     data = data or load()
     lines = []
-    for target in TARGETS:
-        rows = [r for r in data["rows"] if r["target"] == target and "error" not in r]
+    for target, jax_release in itertools.product(TARGETS, releases(data)):
+        mine = [r for r in data["rows"] if r["target"] == target and release(r) == jax_release]
+        rows = [r for r in mine if "error" not in r]
+        where = f"**{target}**, jax {jax_release}"
         if not rows:
-            lines.append(f"- **{target}**: not measured in this file yet.")
+            lines.append(f"- {where}: not measured in this file yet.")
             continue
         present = sum(len(r["expected"]) for r in rows)
         missed = sum(len(r["missed"]) for r in rows)
@@ -189,9 +214,9 @@ def summary(data: dict[str, Any] | None = None) -> str:
         ratios = [
             r["diagnose_seconds"] / r["compile_seconds"] for r in rows if r["compile_seconds"]
         ]
-        errors = sum(r["target"] == target and "error" in r for r in data["rows"])
+        errors = len(mine) - len(rows)
         lines.append(
-            f"- **{target}**: {len(rows)} programs, {present} mechanisms present by measurement, "
+            f"- {where}: {len(rows)} programs, {present} mechanisms present by measurement, "
             f"{present - missed} named, {missed} missed, {alarms} false alarms; diagnose took "
             f"{statistics.median(ratios):.1f}x a bare compile (median), {max(ratios):.1f}x at "
             "most" + (f"; {errors} program(s) failed to compile" if errors else "") + "."
@@ -238,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     names = a.programs or [p.name for p in real.programs()]
     old = json.loads(a.out.read_text()) if a.out.exists() else {"rows": []}
-    rows = {(r["program"], r["target"]): r for r in old["rows"]}
+    rows = {(r["program"], r["target"], release(r)): r for r in old["rows"]}
+    releases = dict(old.get("releases", {}))
+    releases[jax.__version__] = provenance()
     for target in a.targets:
         for name in names:
             print(f"{name} on {target} ...", file=sys.stderr, flush=True)
@@ -247,14 +274,15 @@ def main(argv: list[str] | None = None) -> None:
                 row = run(name, target)
             except Exception as e:  # noqa: BLE001 - recorded, and the next program goes on
                 traceback.print_exc()
-                row = {"program": name, "target": target, "error": f"{type(e).__name__}: {e}"}
+                row = {"program": name, "target": target, "jax": jax.__version__,
+                       "error": f"{type(e).__name__}: {e}"}  # fmt: skip
             row["wall_seconds"] = time.perf_counter() - start
             row["date"] = time.strftime("%Y-%m-%d")
-            rows[name, target] = row
+            rows[name, target, jax.__version__] = row
             print(json.dumps(row)[:400], file=sys.stderr, flush=True)
             a.out.parent.mkdir(parents=True, exist_ok=True)
             data = {
-                "provenance": provenance(),
+                "releases": releases,
                 "threshold": THRESHOLD,
                 "programs": described(),
                 "rows": list(rows.values()),
