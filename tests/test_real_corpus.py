@@ -104,7 +104,8 @@ def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once():
         from runbook.site.corpus.real import get
         program = get("nanodo-fsdp")
         out = {}
-        for label, build in (("step", program.build), ("fixed", program.fixes["sharding-replicated"])):
+        fixed = program.fixes["sharding-replicated"]
+        for label, build in (("step", program.build), ("fixed", fixed)):
             fn, args = build("tiny", False)
             d = runbook.diagnose(fn, *args)
             out[label] = {

@@ -127,8 +127,9 @@ def whole_values(program: Program) -> list[Value]:
     """The temporaries of an SPMD program that each device computes whole (see
     `Program.whole_on_each_device`), leaving out what has a sign or a reason of its own:
     values shaped like an input or one layer of a stacked input (weights gathered, their
-    gradients, each device's partial sums of a gradient). Attention scores and logits computed whole count here, not in their
-    own detectors: splitting the batch is what divides them first."""
+    gradients, each device's partial sums of a gradient). Attention scores and logits
+    computed whole count here, not in their own detectors: splitting the batch is what
+    divides them first."""
     if program.partitions < 2:
         return []
     weights = _input_elements(program)

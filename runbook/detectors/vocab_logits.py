@@ -27,10 +27,11 @@ def rule() -> str:
     """How this detector decides, with its thresholds."""
     return (
         "a product (outside any loop) with a matrix input, larger than the matrix, whose result "
-        "carries a side V of the matrix (its vocabulary), an exponential over a last axis V "
-        "of that many elements and a maximum taken for each of its rows (a softmax or "
-        "log-softmax of those logits: a sigmoid exponentiates, but takes no maximum); every tokens x V array "
-        f"outside loops counts, reported at {MIN_SHARE:.0%} of the program's total live at once"
+        "carries a side V of the matrix (its vocabulary); an exponential over a last axis V and "
+        "a maximum, both made from those products with no further product (a softmax or "
+        "log-softmax of the logits: a sigmoid takes no maximum, attention multiplies again); "
+        "every tokens x V array outside loops counts, reported at "
+        f"{MIN_SHARE:.0%} of the program's total live at once"
     )
 
 
