@@ -204,11 +204,15 @@ def timeline_check(session: nox.Session) -> None:
 
 
 @nox.session(default=False, name="real-corpus")
-def real_corpus(session: nox.Session) -> None:
+@nox.parametrize(("python", "release"), [ENDS["oldest"], ENDS["newest"]], ids=["oldest", "newest"])
+def real_corpus(session: nox.Session, release: str) -> None:
     """Diagnose the real-program corpus at its authors' scale on CPU and for the H100 and
-    v5e targets, with each program's fixes measured: docs/_data/corpus/real.json.
-    Options after --: --targets, --programs (see the module's help)."""
-    session.install("-e.[targets]", "equinox", "flax")
+    v5e targets, with each program's fixes measured, at one end of the tested releases
+    (`nox -s "real-corpus(newest)"`): docs/_data/corpus/real.json, one row per program,
+    target and release. Options after --: --targets, --programs (see the module's help)."""
+    session.install(
+        "-e.[targets]", f"jax=={release}", f"jaxlib=={release}", "equinox", "flax"
+    )  # fmt: skip
     session.run(
         "python", "-m", "runbook.site.producers.real_corpus", *session.posargs, env=CPU_ONLY
     )

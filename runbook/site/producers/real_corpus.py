@@ -1,7 +1,8 @@
 """Diagnose the real-program corpus at its authors' scale: docs/_data/corpus/real.json.
 
-    nox -s real-corpus    (python -m runbook.site.producers.real_corpus
-                           [--targets cpu h100 v5e] [--programs NAME ...] [--out FILE])
+    nox -s "real-corpus(newest)"  (python -m runbook.site.producers.real_corpus
+                                  [--targets cpu h100 v5e] [--programs NAME ...] [--out FILE])
+    nox -s "real-corpus(oldest)"  (the same, on the oldest tested release)
 
 For each program of `runbook.site.corpus.real` and each target (this machine's CPU, and
 GPU/TPU compilers without the device), nothing allocated:
