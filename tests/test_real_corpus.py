@@ -89,6 +89,8 @@ def test_the_committed_measurements_cover_every_program_and_follow_from_their_fi
         assert r["missed"] == sorted(set(expected) - set(r["named"]))
         assert r["false_alarms"] == sorted(set(r["named"]) - set(expected))
     assert set(data["releases"]) == {release for _, release in measured}
+    said = real_corpus.fix_by_release(data, "scan-residuals")
+    assert all(f"at jax {release}" in said for _, release in measured)
     assert all(p["jax"] == release for release, p in data["releases"].items())
     assert data["programs"] == real_corpus.described()  # what the page lists, as it is now
     assert "authors' scale" in real_corpus.table(data).caption

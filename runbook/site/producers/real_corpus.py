@@ -225,6 +225,21 @@ def summary(data: dict[str, Any] | None = None) -> str:
     return "\n".join(lines)
 
 
+def fix_by_release(data: dict[str, Any], case: str, target: str = "cpu") -> str:
+    """In words, per release: in how many programs `case`'s fix saves at least the
+    threshold on `target`, of those that carry it."""
+    parts = []
+    for jax_release in releases(data):
+        rows = [
+            r for r in data["rows"]
+            if r["target"] == target and release(r) == jax_release and "saving" in
+            r.get("fixes", {}).get(case, {})
+        ]  # fmt: skip
+        saving = [r for r in rows if case in r["expected"]]
+        parts.append(f"{len(saving)} of {len(rows)} programs at jax {jax_release}")
+    return f"{case}'s fix saves memory on {target} in " + ", and in ".join(parts)
+
+
 def described() -> list[dict[str, Any]]:
     """Each real program as the file records it: the page reads these, and so needs none of
     the programs' libraries."""
