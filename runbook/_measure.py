@@ -174,6 +174,11 @@ def _name(fn: Any) -> str:
 
 # What JAX says when a jit's shardings name devices other than its arguments'.
 _WRONG_DEVICES = re.compile(r"incompatible devices|does not match memory kind")
+# Inputs given no sharding are put on the target's first device; a jit whose in_shardings place
+# them over a mesh then says so, and the inputs are passed on unplaced.
+_JIT_PLACES = re.compile(
+    r"Sharding passed to jit does not match the sharding on the respective arg"
+)
 
 
 def lower_fn(
@@ -191,7 +196,13 @@ def lower_fn(
         with _targets.compiling_for(target):
             placed = _targets.place(args, target, unsharded=not _is_pmap(fn))
             try:
-                return lower_fn(fn, *placed, unusable=unusable)
+                try:
+                    return lower_fn(fn, *placed, unusable=unusable)
+                except RunbookError as e:  # a jit's own in_shardings place unsharded inputs
+                    if not _JIT_PLACES.search(str(e.__cause__)):
+                        raise
+                    placed = _targets.place(args, target, unsharded=False)
+                    return lower_fn(fn, *placed, unusable=unusable)
             except RunbookError as e:  # a mesh or sharding built on this process's devices
                 if not _WRONG_DEVICES.search(str(e.__cause__)):
                     raise

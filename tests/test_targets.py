@@ -354,3 +354,16 @@ def test_xla_recomputes_to_fit_the_memory_a_gpu_target_is_told():
     # 16 layers of float32 activations, 2 GiB each, kept whole under 80 GiB; under 16 GiB
     # the compiler recomputes some of them
     assert big.temp >= 32 * GIB > small.temp
+
+
+def test_a_jit_whose_in_shardings_place_plain_inputs_compiles_for_a_target():
+    if _targets.unavailable("h100"):
+        pytest.skip(_targets.unavailable("h100"))
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(runbook.target_devices("h100", 2)), ("d",))
+    f = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P("d")))
+    report = runbook.measure(f, jax.ShapeDtypeStruct((1024, 256), jnp.float32), target="h100")
+    assert report.argument == 1024 * 256 * 4 // 2  # each of the two GPUs holds half
