@@ -58,12 +58,14 @@ def _lengths(program: Program) -> dict[int, int]:
 
 def _compares(program: Program, dot: Instruction, tokens: int) -> bool:
     """Whether `dot` sums over a shared axis of two operands that each have T among their
-    axes: tokens compared with tokens (q k^T), not an outer product (a state-space model's
+    axes (or a multiple of T, heads merged in): tokens compared with tokens (q k^T), not
+    an outer product (a state-space model's
     step times its state matrix has two axes of one length, and contracts nothing)."""
     contracted = re.search(r"lhs_contracting_dims=\{(\d[\d,]*)\}", dot.attributes)
     sides = [program.operand(dot, k) for k in range(2)]
-    return bool(contracted) and all(
-        side is not None and tokens in side.shape.dims for side in sides
+    return bool(contracted) and all(  # T may be merged with heads into one axis: (h * T, d)
+        side is not None and any(d >= tokens and d % tokens == 0 for d in side.shape.dims)
+        for side in sides
     )
 
 
