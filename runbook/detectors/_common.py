@@ -114,19 +114,33 @@ def at_peak(program: Program, values: list[Value]) -> int | None:
     return sum(live.values())
 
 
+def _multiplying_fusions(program: Program) -> dict[str, set[str]]:
+    """Each fusion that holds a product (a GPU's gemm fusions) -> the products inside it."""
+    found: dict[str, set[str]] = {}
+    for inst in program.module.instructions.values():
+        if inst.opcode == "fusion":
+            inside = {i.name for i in program.module.inner_ops(inst) if i.opcode in PRODUCTS}
+            if inside:
+                found[inst.name] = inside
+    return found
+
+
 def made_from(program: Program, inst: Instruction, products: set[str], limit: int = 256) -> bool:
     """Whether `inst` is computed from one of `products` by operations that multiply no
     further (through fusions' parameters): a softmax of those products themselves (of
-    logits, not of attention scores made from a projection by a second product)."""
+    logits, not of attention scores made from a projection by a second product). A fusion
+    that holds a product (a GPU compiler wraps each matrix product in one) stands for it."""
+    fused = program.shared(_multiplying_fusions)
     todo, seen = [inst], set[str]()
     while todo and len(seen) < limit:
         current = program.outside(todo.pop(0))
-        if current.name in products:
+        inside = fused.get(current.name, set())
+        if current.name in products or inside & products:
             return True
         if current.name in seen:
             continue
         seen.add(current.name)
-        if current.opcode in PRODUCTS:
+        if current.opcode in PRODUCTS or inside:
             continue
         todo += [i for n in current.operands if (i := program.module.get(n)) is not None]
     return False
