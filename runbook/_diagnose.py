@@ -549,7 +549,7 @@ def _peak(program: Program) -> tuple[int | None, tuple[Buffer, ...], str]:
     """The schedule's peak, what is live at it and where (nothing without live ranges)."""
     if not program.schedule:
         return None, (), ""
-    found = of_program(program)
+    found = program.shared(of_program)  # the detectors' `at_peak` reads the same one
     return found.peak, found.at_peak, found.peak_instruction
 
 
