@@ -15,7 +15,7 @@ import runbook
 from runbook import _targets
 from runbook._program import Program
 from runbook.cases import attention_scores as attn
-from runbook.cases._setup.attention_scores import cudnn_unavailable, floor_bytes
+from runbook.cases._setup.attention_scores import attention_backward, cudnn_unavailable, floor_bytes
 from runbook.cases.attention_scores import CASE
 
 TARGETS = [None, "h100", "v5e"]  # the ones the page shows
@@ -91,8 +91,8 @@ def test_the_fixes_compute_the_same_gradients_and_the_check_can_fail():
     def unmasked(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, implementation="xla")
 
-    got = attn.attention_backward(unmasked)(*args)
-    want = attn.attention_backward(attn.attention)(*args)
+    got = attention_backward(unmasked)(*args)
+    want = attention_backward(attn.attention)(*args)
     err = max(
         float(np.max(np.abs(np.float32(a) - np.float32(b)) / (np.abs(np.float32(b)) + 1)))
         for a, b in zip(got, want, strict=True)

@@ -25,6 +25,7 @@ from runbook._cli import main
 from runbook._subprocess import child_env
 from runbook._targets import unavailable
 from runbook.cases import attention_scores as attn
+from runbook.cases._setup.attention_scores import attention_backward
 from runbook.detectors import DETECTORS
 from runbook.site import scan_residuals
 from runbook.site._accelerator import recommended, worst_point
@@ -477,8 +478,8 @@ def test_attention_scores():
         (lambda a, b: a @ b, square),
         (jax.grad(mlp_loss), (mlp_inputs()[0], *mlp_inputs()[2:])),
         (lambda a, b: jax.nn.softmax(a @ b), square),
-        (attn.attention_backward(attn.attention_blockwise), seed),
-        (attn.attention_backward(attn.attention_chunked), seed),
+        (attention_backward(attn.attention_blockwise), seed),
+        (attention_backward(attn.attention_chunked), seed),
     ]:
         d = runbook.diagnose(fn, *args, measure_fixes=False)
         assert not named(d, "attention-scores"), str(d)

@@ -1,17 +1,14 @@
 """`attention-scores`: attention materialises the (T x T) score matrix, and its gradient keeps it.
 
-``softmax(q k^T) v`` over T tokens makes a ``T x T`` score matrix per head; its gradient
-needs the probabilities again, so XLA keeps them (or their gradients) alive at the full
-size: memory quadratic in the sequence. Reports: jax-ml/jax PR #20145, google/flax#2858,
-and many diffusers / big_vision reports. The functions below are the reproduction and its
-fixes; copy the one you need. Inputs are ``(batch, tokens, heads, head_dim)``, the layout
-of `jax.nn.dot_product_attention`. Every function here is causal; the two fixes take
-``causal=False`` for attention that sees every token (ViT, VAE and UNet spatial attention)."""
+``softmax(q k^T) v`` over T tokens makes a ``T x T`` score matrix per head, and its gradient
+keeps the probabilities (or their gradients) alive at full size: memory quadratic in T.
+Reports: jax-ml/jax PR #20145, google/flax#2858, diffusers / big_vision reports. Below: the
+reproduction and its fixes, for ``(batch, tokens, heads, head_dim)`` inputs (the layout of
+`jax.nn.dot_product_attention`); all causal, the fixes ``causal=False`` on request."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +39,10 @@ def attention_chunked(
     scale: float | None = None,
     causal: bool = True,
 ) -> jax.Array:
-    """Queries in chunks, each under `jax.checkpoint` (Rabe & Staats, arXiv 2112.05682).
-
-    `jax.lax.map` runs the chunks one after another; each makes ``chunk x T`` scores,
-    and `jax.checkpoint` makes the gradient compute them again instead of keeping them.
-    The tokens must divide into chunks; `scale` defaults to ``1 / sqrt(head_dim)``.
-    `causal` (a Python bool): each query sees the keys at or before it; False, every key.
+    """Queries in chunks, each under `jax.checkpoint` (Rabe & Staats, arXiv 2112.05682):
+    `jax.lax.map` runs the chunks one after another, each making ``chunk x T`` scores that
+    the gradient computes again instead of keeping. The tokens must divide into chunks;
+    `scale` defaults to ``1 / sqrt(head_dim)``; `causal` (static) False: every key is seen.
     """
     b, t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
@@ -70,8 +65,7 @@ def attention_chunked(
 
 def _block(x: jax.Array, i: jax.Array, head: jax.Array, size: int) -> jax.Array:
     """Block `i` (of `size` tokens) of one head of `x` ``(b, t, h, d)``: ``(b, size, d)``.
-    One head at a time: its rows are contiguous, so a compiler multiplies the block as it
-    lies instead of transposing the whole of `x` into a heads-major copy first."""
+    One head's rows are contiguous: no transposed heads-major copy of `x` is made."""
     b, _, _, d = x.shape
     return lax.dynamic_slice(x, (0, i * size, head, 0), (b, size, 1, d))[:, :, 0]
 
@@ -93,8 +87,7 @@ def _put_row(x: jax.Array, row: jax.Array, i: jax.Array, head: jax.Array, size: 
 def _scores(
     qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, scale: float, causal: bool
 ) -> jax.Array:
-    """Block (i, j) of one head's scaled scores, float32 ``(b, size, size)``, causally
-    masked if `causal`."""
+    """Block (i, j) of one head's scaled float32 scores ``(b, size, size)``, masked if causal."""
     s = jnp.einsum("bqd,bkd->bqk", qi, kj, preferred_element_type=jnp.float32)
     if not causal:
         return s * scale
@@ -106,9 +99,8 @@ def _scores(
 def _forward(
     q: jax.Array, k: jax.Array, v: jax.Array, size: int, scale: float | None, causal: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """The output and each row's log-sum-exp ``(b, h, t)``: for each head and block of
-    queries, the blocks of keys at or before it (all of them unless `causal`) in an online
-    softmax, written in place."""
+    """The output and each row's log-sum-exp ``(b, h, t)``: per head and query block, an
+    online softmax over the key blocks it sees, written in place."""
     b, t, h, d = q.shape
     n = t // size
     scale = d**-0.5 if scale is None else scale
@@ -150,15 +142,12 @@ def attention_blockwise(
 ) -> jax.Array:
     """The fix for every target: blocks of queries and keys, with its own gradient.
 
-    The forward pass keeps each row's log-sum-exp, not the scores. The gradient
-    (`_blockwise_backward`) recomputes each ``block x block`` score block of one head
-    where it needs it: one pass over the query blocks gives the gradient of `q`, another
-    over the key blocks those of `k` and `v`, each summed per block in float32 and written
-    in place into arrays of the inputs' layout. Nothing of size ``T x T`` exists, nor a
-    transposed copy of an input; the tokens must divide into blocks. `scale` multiplies the
-    scores: None (the default) for ``1 / sqrt(head_dim)``; 1.0 if q comes scaled already.
-    `causal` (a Python bool, static): each query sees the keys at or before it, and only
-    those blocks are computed; False, every query sees every key (every block).
+    The forward pass keeps each row's log-sum-exp, not the scores; the gradient
+    (`_blockwise_backward`) recomputes each ``block x block`` score block of one head where
+    it needs it, one pass over query blocks (for q) and one over key blocks (k and v), in
+    float32, written in place. Nothing ``T x T`` exists, nor a transposed copy of an input;
+    the tokens must divide into blocks. `scale`: None for ``1 / sqrt(head_dim)``, 1.0 if q
+    comes scaled. `causal` (static): each query sees the keys at or before it; False, all.
     """
     return _forward(q, k, v, block, scale, causal)[0]
 
@@ -236,21 +225,6 @@ def _blockwise_backward(
 attention_blockwise.defvjp(_blockwise_forward, _blockwise_backward)
 
 
-def attention_backward(
-    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
-) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
-    """The backward pass of `attend`: ``(q, k, v, d_out)`` to the gradients of q, k, v; `d_out`,
-    the gradient of the loss with respect to the output, is what the layers above hand down."""
-
-    def backward(
-        q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        grads: tuple[jax.Array, jax.Array, jax.Array] = jax.vjp(attend, q, k, v)[1](d_out)
-        return grads
-
-    return backward
-
-
 CASE = Case(
     name="attention-scores",
     title="Attention materialises the T x T score matrix, and its gradient keeps it",
@@ -259,7 +233,6 @@ CASE = Case(
     devices=1,
     scales=_setup.SCALES,  # batch, heads, head_dim and the tokens measured at each scale
     variants=_setup.variants(  # each one's attention_backward; xla reproduces, the others fix
-        attention_backward,
         xla=attention,
         chunked=attention_chunked,
         cudnn=attention_cudnn,

@@ -18,7 +18,7 @@ from .._errors import DoesNotFitError
 from .._measure import MemoryReport, measure
 from .._render import Table, fmt_bytes
 from ..cases import attention_scores as attn
-from ..cases._setup.attention_scores import cudnn_unavailable
+from ..cases._setup.attention_scores import attention_backward, cudnn_unavailable
 from ..cases.attention_scores import CASE
 from ._claims import Claim, verdict
 from ._pages import cited_reports_table
@@ -56,7 +56,7 @@ def _platform(target: str | None) -> str:
 
 
 def _sweep_json(name: str, target: str | None, lengths: Sequence[int]) -> list[dict[str, int]]:
-    program = jax.jit(attn.attention_backward(ATTEND[name]))
+    program = jax.jit(attention_backward(ATTEND[name]))
     found = []
     for tokens in lengths:
         try:

@@ -57,8 +57,22 @@ def cudnn_unavailable(platform: str) -> str | None:
     return None
 
 
+def attention_backward(
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """The backward pass of `attend`: ``(q, k, v, d_out)`` to the gradients of q, k, v; `d_out`,
+    the gradient of the loss with respect to the output, is what the layers above hand down."""
+
+    def backward(
+        q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        grads: tuple[jax.Array, jax.Array, jax.Array] = jax.vjp(attend, q, k, v)[1](d_out)
+        return grads
+
+    return backward
+
+
 def variants(
-    backward: Callable[[Attend], Callable[..., Any]],
     *,
     xla: Attend,
     chunked: Attend,
@@ -67,12 +81,12 @@ def variants(
     chunk: int,
     block: int,
 ) -> tuple[Variant, ...]:
-    """The case's variants, in the order it measures them: each program is `backward` (the
-    case's `attention_backward`) of one attention function, jitted. `chunk` and `block` are
+    """The case's variants, in the order it measures them: each program is
+    `attention_backward` of one attention function, jitted. `chunk` and `block` are
     the case's `CHUNK` and `BLOCK`, for the summaries."""
 
     def gradient_of(attend: Attend) -> Callable[[Params], Callable[..., Any]]:
-        return lambda p: jax.jit(backward(attend))
+        return lambda p: jax.jit(attention_backward(attend))
 
     return (
         Variant(
