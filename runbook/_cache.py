@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +25,10 @@ from ._targets import own_env
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
 ENV_VAR = "RUNBOOK_CACHE_DIR"
+# The page that asks (the docs extension names it before each page executes), so that
+# `nox -s bench` can tell which page made each entry and which pages used it again.
+PAGE_VAR = "RUNBOOK_PAGE"
+HITS = "hits.tsv"  # one line per entry read back: the page that read it, the entry's key
 _ENV_PREFIXES = ("XLA_", "JAX_", "TPU_", "CUDA_VISIBLE_DEVICES")
 _DISTRIBUTIONS = (
     "jax",
@@ -125,21 +130,42 @@ def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
+_inside: list[float] = []  # for each computation under way, the seconds of those it called
+
+
 def cached(
     request: Mapping[str, Any], compute: Callable[[], Any], *, module: str | None = None
 ) -> Any:
-    """`compute()`'s JSON-able result, stored under `request`'s key; computed once per key."""
+    """`compute()`'s JSON-able result, stored under `request`'s key; computed once per key.
+
+    Each entry also records the page that made it and the seconds its computation took
+    itself (``own_seconds``: less the entries it computed inside); a read-back is logged
+    in the folder's `HITS` file."""
     folder = directory()
     if folder is None:
         return compute()
     digest = key(request, module=module)
     path = folder / digest[:2] / f"{digest}.json"
+    page = os.environ.get(PAGE_VAR)
     if path.exists():
+        if page:
+            with (folder / HITS).open("a") as log:  # one short append: lines never interleave
+                log.write(f"{page}\t{digest}\n")
         return json.loads(path.read_text())["value"]
-    value = compute()
+    _inside.append(0.0)
+    start = time.perf_counter()
+    try:
+        value = compute()
+    finally:
+        seconds = time.perf_counter() - start
+        inner = _inside.pop()
+        if _inside:
+            _inside[-1] += seconds
     path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"request": request, "value": value, "page": page,
+              "seconds": round(seconds, 3), "own_seconds": round(seconds - inner, 3)}  # fmt: skip
     # Write then rename: pages running in parallel never read half a file.
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump({"request": request, "value": value}, f, default=str)
+        json.dump(record, f, default=str)
     pathlib.Path(f.name).replace(path)
     return value

@@ -222,3 +222,36 @@ def test_figures_render_by_their_names():
     )
     row = runbook.figures_table([with_figures]).rows[0]
     assert row[2:] == ["3.00 MiB", "0.250 s", "1,200"]
+
+
+def test_the_cache_records_who_made_and_used_each_entry_for_the_build_profile(
+    monkeypatch, tmp_path
+):
+    import time
+
+    from runbook import _cache
+    from runbook.site.producers.bench import profile, projection
+
+    def slow(seconds, value):
+        time.sleep(seconds)
+        return value
+
+    monkeypatch.setenv(_cache.ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(_cache.PAGE_VAR, "cases/a")
+    inner = lambda: _cache.cached({"kind": "inner"}, lambda: slow(0.3, 1))
+    outer = {"kind": "outer", "target": "h100"}
+    assert _cache.cached(outer, lambda: inner() + slow(0.05, 1)) == 2
+    monkeypatch.setenv(_cache.PAGE_VAR, "cases/b")
+    assert _cache.cached(outer, lambda: pytest.fail("computed twice")) == 2  # a hit
+    found = profile(tmp_path)
+    assert found["entries"] == 2
+    assert set(found["by_page"]) == {"cases/a"}
+    # The outer entry's own seconds leave out the entry computed inside it.
+    assert found["by_target"]["h100"]["seconds"] < 0.2 < found["by_target"]["cpu"]["seconds"]
+    assert found["seconds"] < 0.5
+    assert found["used_by_several_pages"]["entries"] == 1
+    assert found["used_by_several_pages"]["pages"] == {"cases/b": 1}
+    pages = {"cases/a": 10.0, "cases/b": 30.0, "index": 4.0}
+    got = projection({"cold": 30.0}, pages, cases=2, to=4)
+    overhead = max(30.0 - 44.0 / got["cores"], 0.0)
+    assert got["seconds"] == pytest.approx(overhead + (40 + 2 * 20 + 4 * 2) / got["cores"], abs=0.1)

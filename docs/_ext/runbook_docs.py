@@ -332,6 +332,12 @@ def _order_reads(app: Any, env: Any, docnames: list[str]) -> None:
     docnames[:] = read_order(docnames, seconds)
 
 
+def _name_page(app: Any, docname: str, source: list[str]) -> None:
+    # The page about to execute, for the measurement cache's profile (runbook._cache.PAGE_VAR):
+    # its kernel starts after this, in this process, and inherits the variable.
+    os.environ["RUNBOOK_PAGE"] = docname
+
+
 def _balance_parallel_reads() -> None:
     import sphinx.builders
 
@@ -342,6 +348,7 @@ def setup(app: Any) -> dict[str, Any]:
     _balance_parallel_reads()
     app.connect("env-get-outdated", _outdated)
     app.connect("env-before-read-docs", _order_reads)
+    app.connect("source-read", _name_page)
     app.connect("doctree-read", _record)
     app.connect("env-purge-doc", _purge)
     app.connect("env-merge-info", _merge)

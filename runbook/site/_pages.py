@@ -264,4 +264,56 @@ def bench_report(path: str | None = None) -> list[Any]:
                 "and measurement cache.",
             )
         )
+    items.extend(_profile_tables(data))
+    return items
+
+
+def _profile_tables(data: dict[str, Any]) -> list[Any]:
+    """Where the cold build's seconds went (``nox -s bench``'s profile), and its projection."""
+    from ._history import Note
+
+    found = data.get("docs_profile")
+    if not found:
+        return []
+    pages = data.get("docs_page_seconds", {})
+    made = found["by_page"]
+    shared = found["used_by_several_pages"]
+    items: list[Any] = [
+        Table(
+            ["page", "executed", "measuring it did itself", "entries it made"],
+            [
+                [
+                    p,
+                    f"{pages.get(p, 0):.1f} s",
+                    f"{made.get(p, {}).get('seconds', 0):.1f} s",
+                    str(made.get(p, {}).get("entries", 0)),
+                ]
+                for p in dict.fromkeys([*pages, *made])
+            ],
+            f"The cold build, page by page: how long each executed, and the seconds of the "
+            f"measurements it computed itself (compiles, real runs), from the "
+            f"{found['entries']:,} entries of the measurement cache it filled. "
+            f"{shared['entries']} entries were used again by another page, saving "
+            f"{shared['seconds_saved']:.0f} s.",
+        ),
+        Table(
+            ["compiled for", "seconds", "entries"],
+            [
+                [k, f"{v['seconds']:.1f} s", str(v["entries"])]
+                for k, v in found["by_target"].items()
+            ],
+            "The same seconds by the compiler they were measured with (this machine's backend, "
+            "or a target compiled for without the device).",
+        ),
+    ]
+    projected = data.get("docs_projection")
+    if projected:
+        items.append(
+            Note(
+                f"Projected cold build with {projected['cases']} cases: "
+                f"{projected['seconds']:.0f} s on {projected['cores']} cores (each new case page "
+                f"costing today's median, {projected['median_case_page_seconds']:.0f} s; the "
+                f"pages that read every case growing in proportion)."
+            )
+        )
     return items

@@ -10,7 +10,9 @@ the same minutes. Nothing here is cached: the measurement cache is switched off.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import json
 import os
 import pathlib
 import shutil
@@ -166,8 +168,83 @@ def docs_builds(
             progress(f"docs build, {label}: {out[label]} s")
             if label == "cold":
                 pages = _page_seconds(copy / "docs" / "_build" / "html" / ".doctrees")
+                out["profile"] = profile(copy / "docs" / "_build" / "runbook-cache")
         out["edited_module"] = case_module
         return out, pages
+
+
+def _where(request: dict[str, Any]) -> str:
+    """What an entry compiled for: a target's name, else this machine's backend."""
+    return str(request.get("target") or jax.default_backend())
+
+
+def profile(cache: pathlib.Path) -> dict[str, Any]:
+    """Where a cold build's seconds went, from the measurement cache it filled: each entry's
+    own seconds (less the entries it computed inside) by the page that made it, by target
+    and by kind of request; and the entries that more than one page used."""
+    from ..._cache import HITS
+
+    made: dict[str, tuple[str, dict[str, Any], float]] = {}
+    for path in cache.glob("*/*.json"):
+        record = json.loads(path.read_text())
+        made[path.stem] = (
+            record.get("page") or "?",
+            record["request"],
+            record.get("own_seconds", 0.0),
+        )
+    users: dict[str, set[str]] = {digest: {page} for digest, (page, _, _) in made.items()}
+    hits = cache / HITS
+    for line in hits.read_text().splitlines() if hits.exists() else []:
+        page, _, digest = line.partition("\t")
+        users.setdefault(digest, set()).add(page)
+
+    def tally(by: Callable[[str, dict[str, Any]], str]) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for page, request, seconds in made.values():
+            row = out.setdefault(by(page, request), {"seconds": 0.0, "entries": 0})
+            row["seconds"] += seconds
+            row["entries"] += 1
+        ranked = sorted(out.items(), key=lambda kv: -kv[1]["seconds"])
+        return {
+            k: {"seconds": round(v["seconds"], 1), "entries": int(v["entries"])} for k, v in ranked
+        }
+
+    shared = [d for d, pages in users.items() if d in made and len(pages) > 1]
+    return {
+        "entries": len(made),
+        "seconds": round(sum(s for *_, s in made.values()), 1),
+        "by_page": tally(lambda page, _: page),
+        "by_target": tally(lambda _, request: _where(request)),
+        "by_kind": tally(lambda _, request: f"{request.get('kind', '?')} on {_where(request)}"),
+        "used_by_several_pages": {
+            "entries": len(shared),
+            "seconds_saved": round(sum(made[d][2] * (len(users[d]) - 1) for d in shared), 1),
+            "pages": dict(
+                collections.Counter(p for d in shared for p in users[d] if p != made[d][0])
+            ),
+        },
+    }
+
+
+def projection(
+    builds: dict[str, Any], pages: dict[str, float], cases: int, to: int = 25
+) -> dict[str, Any]:
+    """The cold build with `to` cases, from this one's measured page times: each case page
+    costs the median of today's; the pages that read every case grow in proportion; the
+    rest of the build (Sphinx itself, the pages' imports) stays; pages share the cores."""
+    import statistics
+
+    case_pages = [s for page, s in pages.items() if page.startswith("cases/")]
+    others = sum(s for page, s in pages.items() if not page.startswith("cases/"))
+    cores = os.cpu_count() or 1
+    overhead = max(builds["cold"] - sum(pages.values()) / cores, 0.0)
+    per_case = statistics.median(case_pages) if case_pages else 0.0
+    work = sum(case_pages) + per_case * (to - cases) + others * to / cases
+    return {
+        "cases": to, "measured_cases": cases, "cores": cores,
+        "median_case_page_seconds": round(per_case, 1),
+        "seconds": round(overhead + work / cores, 1),
+    }  # fmt: skip
 
 
 def docs_extension() -> types.ModuleType:
@@ -212,8 +289,10 @@ def run(
     }  # fmt: skip
     if docs:
         builds, pages = docs_builds(progress, _module_file(names[0]))
+        data["docs_profile"] = builds.pop("profile")
         data["docs_build_seconds"] = builds
         data["docs_page_seconds"] = pages
+        data["docs_projection"] = projection(builds, pages, len(case_names()))
     return data
 
 
