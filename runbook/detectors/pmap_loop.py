@@ -30,7 +30,7 @@ from .._hlo import Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from .prng_temporaries import _UNSIGNED, _makes_floats_from_bits
-from .sharding_replicated import replicated_state
+from .sharding_replicated import replicated_state, whole
 
 MIN_REPEATS = 4  # independent copies of one line's temporary, live at once
 MIN_SHARE = 0.10  # of the program's total, for either sign (smaller replicated inputs are
@@ -120,6 +120,7 @@ def _repeats(program: Program) -> list[_Group]:
     values, the members computed from no other member, how many are live at once)."""
     groups: dict[tuple[str, str], list[Value]] = defaultdict(list)
     bits = _makes_floats_from_bits(program)
+    computed_whole = whole(program)
     for v in program.values:
         inst = program.module.get(v.instruction)
         if v.kind != "temp" or inst is None or program.in_loop(inst):
@@ -130,6 +131,8 @@ def _repeats(program: Program) -> list[_Group]:
             continue  # random bits (dropout's, one draw per layer): prng-temporaries' own
         if v.instruction in program.widened:
             continue  # XLA:CPU's float32 copies of bfloat16 operands: the caveat's, CPU only
+        if (v.instruction, v.index) in computed_whole:
+            continue  # computed whole on every device: splitting the batch comes first
         _, source = program.describe(inst)
         if source:
             groups[(v.shape, source)].append(v)

@@ -156,8 +156,11 @@ def _input_elements(program: Program) -> set[int]:
 
 
 def whole(program: Program) -> set[tuple[str, str]]:
-    """`whole_values`, as the set other detectors leave out (each value in one finding)."""
-    return {(v.instruction, v.index) for v in program.shared(whole_values)}
+    """`whole_values`, as the set other detectors leave out (each value in one finding),
+    with every value in the same memory (an H100 compile all-gathers the logits into the
+    very bytes of the product that made them)."""
+    extents = {v.extent for v in program.shared(whole_values)}
+    return {(v.instruction, v.index) for v in program.values if v.extent in extents}
 
 
 def _whole_finding(program: Program) -> list[Finding]:

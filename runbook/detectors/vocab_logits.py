@@ -17,7 +17,7 @@ from .._render import fmt_bytes
 from . import sharding_replicated
 from ._common import PRODUCTS, made_from
 
-MIN_SHARE = 0.10  # of the program's total, held at once by tokens x vocabulary arrays
+MIN_SHARE = 0.05  # of the program's total, held at once by tokens x vocabulary arrays
 MAX_EVIDENCE = 6
 PATTERN = "tokens x vocabulary logits"
 CASE = "vocab-logits"
@@ -143,11 +143,12 @@ def logit_values(program: Program) -> set[tuple[str, str]]:
 
 def detect(program: Program) -> list[Finding]:
     out = []
-    for vocab, elements, chosen in program.shared(_claimed):
+    for vocab, _, chosen in program.shared(_claimed):
         nbytes = program.peak(v for v, _ in chosen)
         if not chosen or nbytes < MIN_SHARE * program.total:
             continue
         evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
+        tokens = max(math.prod(Shape(v.shape).dims) for v, _ in chosen) // vocab  # per device
         out.append(
             finding(
                 PATTERN,
@@ -158,7 +159,7 @@ def detect(program: Program) -> list[Finding]:
                 "under lax.scan with each chunk checkpointed, so that one chunk's logits exist "
                 "at a time",
                 copy="runbook.cases.vocab_logits.loss_vocab_tiles",
-                detail=f"{len(chosen)} arrays of {elements // vocab:,} tokens x {vocab:,} (the "
+                detail=f"{len(chosen)} arrays of up to {tokens:,} tokens x {vocab:,} (the "
                 "side of the matrix input they are a product with) outside any loop, "
                 f"{fmt_bytes(nbytes)} live at once, around a softmax over the vocabulary.",
             )
