@@ -13,6 +13,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 
 import runbook
 from runbook import _targets
@@ -60,6 +61,36 @@ def test_a_tpu_target_is_compiled_by_the_tpu_compiler():
     names = _dump_names("v5e")
     assert any(n.endswith("tpu_comp_env.txt") for n in names)
     assert not any("cpu_after_optimizations" in n for n in names)
+
+
+def test_a_tpu_peak_above_the_sum_is_a_caveat():
+    from runbook._measure import TPU_PEAK, compile_fn, peak_exceeds
+
+    if _targets.unavailable("v5e"):
+        pytest.skip(_targets.unavailable("v5e"))
+
+    def scanned(w, x):  # the gradient of a scan: XLA's TPU compiler keeps its stacks apart
+        def body(h, wi):
+            return jnp.tanh(h @ wi), None
+
+        return jax.grad(lambda w: lax.scan(body, x, w)[0].sum())(w)
+
+    w = jax.ShapeDtypeStruct((16, 256, 256), jnp.float32)
+    x = jax.ShapeDtypeStruct((512, 256), jnp.float32)
+    report = runbook.measure(scanned, w, x, target="v5e")
+    peak = compile_fn(scanned, w, x, target="v5e").memory_analysis().peak_memory_in_bytes
+    assert peak > 2 * report.total  # the stacks: 0 bytes of temporaries reported here
+    assert TPU_PEAK in report.caveats
+    # Said exactly where the peak passes the sum (by more than 1% and 1 MiB).
+    assert peak_exceeds(2**21 + 1, 2**20)
+    assert not peak_exceeds(2**20 + 2**19, 2**20)
+    for n in (256, 1024, 4096):
+        square = jax.ShapeDtypeStruct((n, n), jnp.float32)
+        grad = jax.grad(lambda a: (jnp.sin(a) @ a).sum())
+        said = runbook.measure(grad, square, target="v5e")
+        peak = compile_fn(grad, square, target="v5e").memory_analysis().peak_memory_in_bytes
+        assert (TPU_PEAK in said.caveats) == peak_exceeds(peak, said.total), n
+    assert runbook.measure(jax.grad(loss), X, IDX, target="h100").caveats == ()
 
 
 def test_cpu_and_h100_figures_differ_for_gather_grad():

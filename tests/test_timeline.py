@@ -328,6 +328,39 @@ def test_the_committed_check_says_which_number_to_trust():
     assert len(timeline_check.numbers_table(data).rows) == numbers["variants"]
 
 
+def test_the_committed_check_holds_each_number_on_the_targets_too():
+    from runbook.site.producers import timeline_check
+
+    data = timeline_check.load()
+    found = timeline_check.target_summary(data)
+    assert set(found) == set(data["target_provenance"]) == set(timeline_check.TARGETS)
+    for target, n in found.items():
+        rows = [r["targets"][target] for r in data["rows"] if "sum" in r["targets"][target]]
+        assert n["of"] == len(rows) > 0
+        # recomputed from the rows
+        assert n["equal"] == sum(abs(r["xla_peak"] - r["sum"]) <= 0.01 * r["sum"] for r in rows)
+        assert n["above"] == sum(r["xla_peak"] > 1.01 * r["sum"] + 2**20 for r in rows)
+        assert n["low"] <= n["high"]
+    # A target's figures are compile-time predictions, labelled as such.
+    assert all("without the device" in n["label"] for n in found.values())
+
+
+def test_a_target_number_is_the_program_measure_compiles_for_it():
+    from runbook._targets import unavailable
+    from runbook.site.producers import timeline_check
+
+    if unavailable("h100"):
+        pytest.skip(unavailable("h100"))
+    row = {"case": "gather-grad", "variant": "grad", "scale": "small", "params": {}}
+    case = runbook.get_case("gather-grad")
+    row["params"] = dict(case.grid(case.scale("small"))[0])
+    got = timeline_check.target_numbers(row, "h100")
+    report = runbook.measure_case("gather-grad", "small", target="h100", variants=["grad"])
+    want = report.one("grad", **row["params"])
+    assert got["sum"] == want.total
+    assert got["temp"] == want.temp
+
+
 def test_a_measured_report_draws_its_own_timeline():
     def f(x):
         return jnp.cos(jnp.sin(x)) @ x

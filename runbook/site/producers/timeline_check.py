@@ -13,7 +13,9 @@ The measuring page shows the file; the tests run `check` afresh on a few variant
 The same run decides which memory number to trust. For each variant compiled as
 `runbook.measure` compiles it (the case's own options), three numbers: the runbook's sum
 (arguments + outputs + temporaries - aliased), XLA's own ``peak_memory_in_bytes``, and the
-real peak of that program run in a fresh process.
+real peak of that program run in a fresh process. The same programs compiled for a GPU and
+a TPU target (`TARGETS`, without the device) give the sum and XLA's peak there too; their
+real peaks need the devices (`--targets-only` adds these to the committed file).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from runbook._case import case_names, get_case
+from runbook._errors import RunbookError
 from runbook._measure import compile_fn
 from runbook._program import Program, cpu_accounting_options
 from runbook._provenance import Provenance
@@ -36,6 +39,7 @@ from runbook._runtime import ABS_TOLERANCE, REL_TOLERANCE, agreement, runtime_pe
 from runbook._timeline import of_program
 
 OUT = pathlib.Path(__file__).resolve().parents[3] / "docs" / "_data" / "timeline" / "cpu.json"
+TARGETS = ("h100", "v5e")  # compiled for without the device: the sum against XLA's peak
 
 
 def variants() -> Iterator[tuple[str, str]]:
@@ -90,6 +94,76 @@ def check(name: str, variant: str) -> dict[str, Any]:
         "xla_peak": int(xla_peak) if xla_peak is not None else None,
         "real": default.measured,
     }
+
+
+def target_numbers(row: dict[str, Any], target: str) -> dict[str, int | None]:
+    """The program of `row` (a `check` row) compiled for `target` as `runbook.measure`
+    compiles for it: the runbook's sum, its temporaries and XLA's peak, per device."""
+    from runbook._targets import require
+
+    case = get_case(row["case"])
+    v = case.variant(row["variant"])
+    inputs = case.inputs(v, case.scale(row["scale"]), row["params"], False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        stats = compile_fn(v.program(row["params"]), *inputs, target=require(target))
+    m = stats.memory_analysis()
+    peak = getattr(m, "peak_memory_in_bytes", None)
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return {
+        "sum": int(total - m.alias_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "xla_peak": int(peak) if peak is not None else None,
+    }
+
+
+def add_targets(data: dict[str, Any], targets: tuple[str, ...] = TARGETS) -> dict[str, Any]:
+    """`data` with each row's numbers on each available target, and their provenance."""
+    from runbook._targets import require, unavailable
+
+    usable = [t for t in targets if unavailable(t) is None]
+    for row in data["rows"]:
+        if "real" not in row:
+            continue
+        row["targets"] = {}
+        v = get_case(row["case"]).variant(row["variant"])
+        for t in usable:
+            why = v.unavailable(require(t).platform) if v.unavailable else None
+            try:  # a variant for another device (cuDNN on a TPU) is skipped, with its reason
+                row["targets"][t] = {"skipped": why} if why else target_numbers(row, t)
+            except RunbookError as e:  # too large for the device, say
+                row["targets"][t] = {"skipped": str(e)[:200]}
+            print(f"{row['case']}/{row['variant']} on {t}: {row['targets'][t]}", file=sys.stderr)
+    data["target_provenance"] = {
+        t: dataclasses.asdict(Provenance.for_target(require(t), 1)) for t in usable
+    }
+    return data
+
+
+def target_summary(data: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Per target: how many variants' XLA peak equals the runbook's sum (to 1%), how many
+    it passes (`runbook._measure.peak_exceeds`, the rule of the TPU caveat), and its ratios
+    to the sum (lowest, highest)."""
+    from runbook._measure import peak_exceeds
+
+    data = data or load()
+    out: dict[str, dict[str, Any]] = {}
+    for target in data.get("target_provenance", {}):
+        have = [
+            r["targets"][target]
+            for r in _with_numbers(data)
+            if "sum" in r.get("targets", {}).get(target, {}) and r["targets"][target]["xla_peak"]
+        ]
+        ratios = sorted(n["xla_peak"] / n["sum"] for n in have if n["sum"])
+        out[target] = {
+            "of": len(have),
+            "equal": sum(abs(n["xla_peak"] - n["sum"]) <= 0.01 * n["sum"] for n in have),
+            "above": sum(peak_exceeds(n["xla_peak"], n["sum"]) for n in have),
+            "low": ratios[0] if ratios else None,
+            "high": ratios[-1] if ratios else None,
+            "label": Provenance(**data["target_provenance"][target]).label(),
+        }
+    return out
 
 
 def agrees(measured: int, predicted: int) -> bool:
@@ -199,7 +273,14 @@ def numbers_summary(data: dict[str, Any] | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
-    out = parser.parse_args(argv).out
+    parser.add_argument(
+        "--targets-only", action="store_true", help="add the target numbers to the file at --out"
+    )
+    args = parser.parse_args(argv)
+    out = args.out
+    if args.targets_only:
+        out.write_text(json.dumps(add_targets(load(out)), indent=1) + "\n")
+        return
     rows = []
     for name, variant in variants():
         rows.append(check(name, variant))
@@ -210,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         "rule": f"real peak {agreement()} of the timeline's peak",
         "rows": rows,
     }
+    data = add_targets(data)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
 
