@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ PARENT = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {CHILD!
 
 
 def test_the_peak_counts_the_memory_a_grandchild_holds():
-    with subprocess.Popen([sys.executable, "-c", PARENT]) as proc:
+    env = {**os.environ, "RUNBOOK_PAGE": "cases/some-page"}  # what the docs extension sets
+    with subprocess.Popen([sys.executable, "-c", PARENT], env=env) as proc:
         peak = Peak()
         try:
             with watching(proc.pid, peak, every=0.2):
@@ -32,6 +34,10 @@ def test_the_peak_counts_the_memory_a_grandchild_holds():
     assert HOLD <= peak.pss < 2 * HOLD + 200 * 2**20
     assert HOLD <= largest <= pss <= rss
     assert "GiB summed proportional set size" in str(peak)
+    # The page the processes work for holds what they hold, by the variable they inherited.
+    assert set(peak.by_page) == {"cases/some-page"}
+    assert HOLD <= peak.by_page["cases/some-page"] <= peak.pss
+    assert "cases/some-page" in str(peak)
 
 
 def test_a_process_that_has_gone_holds_nothing():

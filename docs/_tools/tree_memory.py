@@ -36,37 +36,60 @@ def _rollup(pid: int) -> dict[str, int]:
     }
 
 
-def sample(root: int) -> tuple[int, int, int]:
-    """(summed PSS, summed RSS, the largest single PSS) of `root` and its descendants."""
+def page_of(pid: int) -> str | None:
+    """The docs page a process works for: the `RUNBOOK_PAGE` its environment inherited (the
+    docs extension sets it before a page's kernel starts), or None."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = next((e for e in env if e.startswith(b"RUNBOOK_PAGE=")), None)
+    return found.split(b"=", 1)[1].decode() if found else None
+
+
+def sample(root: int, pages: dict[str, int] | None = None) -> tuple[int, int, int]:
+    """(summed PSS, summed RSS, the largest single PSS) of `root` and its descendants; the
+    PSS of each page's processes (summed) raises that page's entry in `pages` to its most."""
     children, todo, pss, rss, largest = _children(), [root], 0, 0, 0
+    now: dict[str, int] = {}
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
         found = _rollup(pid)
         pss, rss = pss + found.get("Pss", 0), rss + found.get("Rss", 0)
         largest = max(largest, found.get("Pss", 0))
+        page = page_of(pid) if pages is not None else None
+        if page:
+            now[page] = now.get(page, 0) + found.get("Pss", 0)
+    for page, used in now.items():
+        if pages is not None:
+            pages[page] = max(pages.get(page, 0), used)
     return pss, rss, largest
 
 
 class Peak:
-    """The highest `sample` seen: summed PSS, with the RSS and largest process at that time."""
+    """The highest `sample` seen: summed PSS, with the RSS and largest process at that time;
+    and each page's most (`by_page`)."""
 
     def __init__(self) -> None:
         self.pss = self.rss = self.largest = 0
         self.samples = 0
+        self.by_page: dict[str, int] = {}
 
     def see(self, root: int) -> None:
-        pss, rss, largest = sample(root)
+        pss, rss, largest = sample(root, self.by_page)
         self.samples += 1
         if pss > self.pss:
             self.pss, self.rss, self.largest = pss, rss, largest
 
     def __str__(self) -> str:
         gib = 2**30
+        top = sorted(self.by_page.items(), key=lambda kv: -kv[1])[:5]
+        pages = ", ".join(f"{page} {used / gib:.2f}" for page, used in top)
         return (
             f"{self.pss / gib:.2f} GiB summed proportional set size ({self.rss / gib:.2f} GiB "
             f"summed resident set, {self.largest / gib:.2f} GiB in its largest process), "
-            f"{self.samples} samples"
+            f"{self.samples} samples" + (f"; the most pages held, in GiB: {pages}" if top else "")
         )
 
 
