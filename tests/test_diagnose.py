@@ -452,6 +452,20 @@ ATTENTION_BLOCK = (
 )
 
 
+def test_a_state_space_step_size_projection_is_not_attention():
+    # A selective state space's discretisation (eqx-mamba's): step sizes from a low-rank
+    # projection, tokens x rank @ rank x channels, the channels four times the tokens, then
+    # exp(delta x A) with the state axis as long as the sequence. The product has T and a
+    # multiple of T, and its exponential two T axes, but one factor is a weight.
+    def ssm(h, w_in, w, a_log):
+        delta = jax.nn.softplus(jnp.tanh(h @ w_in) @ w)  # (T, D), from tokens x rank
+        return jnp.exp(delta[:, None, :] * -jnp.exp(a_log)[None]).sum()  # (T, N = T, D)
+
+    args = (S((128, 64), f32), S((64, 4), f32), S((4, 512), f32), S((128, 512), f32))
+    d = runbook.diagnose(jax.grad(ssm, argnums=(0, 1, 2, 3)), *args, measure_fixes=False)
+    assert not named(d, "attention-scores"), str(d)
+
+
 def test_attention_scores():
     def grad_of(attend):
         return jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2))

@@ -33,6 +33,30 @@ def entry_parameter(program: Program, inst: Instruction) -> Parameter | None:
     return next((p for p in program.parameters if p.number == inst.parameter_number), None)
 
 
+# What moves or re-types an input on its way to a product: a cast to bfloat16, a transpose,
+# a copy, the all-gather of a sharded weight.
+MOVES = ("bitcast", "copy", "reshape", "convert", "transpose", "all-gather")
+
+
+def moved_input(program: Program, inst: Instruction | None) -> Instruction | None:
+    """The program input (an entry parameter) that `inst` is, through moves and fusions that
+    only move their operand; None for anything computed."""
+    seen: set[str] = set()
+    while inst is not None and inst.name not in seen:
+        seen.add(inst.name)
+        inst = program.outside(inst)
+        if inst.opcode == "parameter":
+            return inst if inst.computation == program.module.entry else None
+        if inst.opcode == "fusion" and inst.calls:  # a fusion that only moves its operand
+            root = program.module.root(inst.calls[0])
+            inst = root if root is not None and root.opcode in (*MOVES, "parameter") else None
+        elif inst.opcode in MOVES and inst.operands:
+            inst = program.operand(inst, 0)
+        else:
+            return None
+    return None
+
+
 def reads(program: Program, inst: Instruction) -> list[Instruction]:
     """What `inst` computes its result from: its operands, or, for one result of a
     multi-output fusion, the operands that result's part of the fusion reads."""

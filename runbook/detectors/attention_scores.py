@@ -16,7 +16,7 @@ from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 from . import sharding_replicated
-from ._common import at_peak, made_from
+from ._common import at_peak, made_from, moved_input
 
 MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
 MIN_TOKENS = 128  # a shorter sequence's scores are small whatever the program does
@@ -58,14 +58,20 @@ def _lengths(program: Program) -> dict[int, int]:
 
 def _compares(program: Program, dot: Instruction, tokens: int) -> bool:
     """Whether `dot` sums over a shared axis of two operands that each have T among their
-    axes (or a multiple of T, heads merged in): tokens compared with tokens (q k^T), not
-    an outer product (a state-space model's
-    step times its state matrix has two axes of one length, and contracts nothing)."""
+    axes (or a multiple of T, heads merged in): tokens compared with tokens (q k^T). Not an
+    outer product (a state-space model's step times its state matrix has two axes of one
+    length, and contracts nothing), nor a projection: one factor a program input (a
+    weight), the other computed (a state-space model's step sizes, tokens x rank @ rank x
+    channels, the channels a multiple of T). Both may be inputs: attention called alone."""
     contracted = re.search(r"lhs_contracting_dims=\{(\d[\d,]*)\}", dot.attributes)
     sides = [program.operand(dot, k) for k in range(2)]
-    return bool(contracted) and all(  # T may be merged with heads into one axis: (h * T, d)
-        side is not None and any(d >= tokens and d % tokens == 0 for d in side.shape.dims)
+    if not contracted or any(side is None for side in sides):
+        return False
+    inputs = {moved_input(program, side) is not None for side in sides}
+    return len(inputs) == 1 and all(  # T may be merged with heads into one axis: (h * T, d)
+        any(d >= tokens and d % tokens == 0 for d in side.shape.dims)
         for side in sides
+        if side is not None
     )
 
 

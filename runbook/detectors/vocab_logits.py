@@ -15,7 +15,7 @@ from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 from . import sharding_replicated
-from ._common import PRODUCTS, made_from
+from ._common import PRODUCTS, made_from, moved_input
 
 MIN_SHARE = 0.05  # of the program's total, held at once by tokens x vocabulary arrays
 MAX_EVIDENCE = 6
@@ -35,30 +35,12 @@ def rule() -> str:
     )
 
 
-# What moves or re-types a matrix on its way from the input to its product: a cast to
-# bfloat16, a transpose, a copy, the all-gather of a sharded weight.
-_MOVES = ("bitcast", "copy", "reshape", "convert", "transpose", "all-gather")
-
-
 def _matrix_input(program: Program, inst: Instruction | None) -> tuple[int, ...] | None:
     """The sides of the two-axis program input `inst` is, through moves, or None. Axes of
     one are dropped: under pmap each device's input keeps a device axis of one."""
-    seen: set[str] = set()
-    while inst is not None and inst.name not in seen:
-        seen.add(inst.name)
-        inst = program.outside(inst)
-        if inst.opcode == "parameter":
-            entry = inst.computation == program.module.entry
-            sides = tuple(d for d in inst.shape.dims if d != 1)
-            return sides if entry and len(sides) == 2 else None
-        if inst.opcode == "fusion" and inst.calls:  # a fusion that only moves its operand
-            root = program.module.root(inst.calls[0])
-            inst = root if root is not None and root.opcode in (*_MOVES, "parameter") else None
-        elif inst.opcode in _MOVES and inst.operands:
-            inst = program.operand(inst, 0)
-        else:
-            return None
-    return None
+    found = moved_input(program, inst)
+    sides = tuple(d for d in found.shape.dims if d != 1) if found is not None else ()
+    return sides if len(sides) == 2 else None
 
 
 def _logits(program: Program) -> dict[tuple[int, int], set[str]]:
