@@ -286,6 +286,27 @@ class Module:
             return [found] if found is not None else []
         return []
 
+    def dependent(self, names: set[str]) -> set[str]:
+        """The members of `names` that depend on another member (through their operands,
+        transitively): one walk for the whole set, each instruction decided once, where
+        `ancestors` per member walks the shared history again for every one."""
+        memo: dict[str, bool] = {}
+        for start in names:
+            stack = [(start, False)]
+            while stack:
+                n, expanded = stack.pop()
+                if n in memo:
+                    continue
+                inst = self.instructions.get(n)
+                if inst is None:
+                    memo[n] = False
+                elif not expanded:
+                    stack.append((n, True))
+                    stack.extend((op, False) for op in inst.operands if op not in memo)
+                else:
+                    memo[n] = any(op in names or memo.get(op, False) for op in inst.operands)
+        return {n for n in names if memo.get(n)}
+
     def ancestors(self, name: str, limit: int = 100_000) -> set[str]:
         """Every instruction `name` depends on in its computation (operands, transitively)."""
         seen: set[str] = set()

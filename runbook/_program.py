@@ -595,13 +595,33 @@ class Program:
 
     def entry_parameters_of(self, name: str) -> set[int]:
         """The entry parameters instruction `name` depends on (HLO parameter numbers)."""
-        found = set()
-        for n in {name} | self.module.ancestors(name):
+        mask = self._parameter_mask(name)
+        return {i for i in range(mask.bit_length()) if mask >> i & 1}
+
+    def _parameter_mask(self, name: str) -> int:
+        """`entry_parameters_of` as a bit mask, each instruction's decided once per program
+        (a detector asks for hundreds that share most of their history)."""
+        memo: dict[str, int] = self.shared(_parameter_masks)
+        stack = [(name, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in memo:
+                continue
             inst = self.module.get(n)
-            if (
-                inst is not None
-                and inst.opcode == "parameter"
-                and inst.computation == self.module.entry
-            ):
-                found.add(inst.parameter_number or 0)
-        return found
+            if inst is None:
+                memo[n] = 0
+            elif not expanded:
+                stack.append((n, True))
+                stack.extend((op, False) for op in inst.operands if op not in memo)
+            else:
+                own = inst.opcode == "parameter" and inst.computation == self.module.entry
+                mask = 1 << (inst.parameter_number or 0) if own else 0
+                for op in inst.operands:
+                    mask |= memo.get(op, 0)
+                memo[n] = mask
+        return memo[name]
+
+
+def _parameter_masks(program: Program) -> dict[str, int]:
+    """Each instruction's entry parameters, as a bit mask, filled in as they are asked for."""
+    return {}

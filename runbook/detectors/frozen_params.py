@@ -403,4 +403,8 @@ def near_miss(program: Program) -> NearMiss | None:
 
 def _scalars(program: Program) -> set[int]:
     """Inputs of a single element (a step count, a learning rate): state-like, not data."""
+    return program.shared(_scalar_inputs)  # asked once per output: read the inputs once
+
+
+def _scalar_inputs(program: Program) -> set[int]:
     return {p.number for p in program.parameters if p.shape.nbytes <= 8}

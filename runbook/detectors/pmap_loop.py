@@ -147,7 +147,7 @@ def _repeats(program: Program) -> list[_Group]:
         # The iterations: members computed from no other member. In a chain (the layers
         # of a network) only the first is; in an unrolled loop of independent iterations
         # every iteration's first value is.
-        starts = {n for n in names if not (program.module.ancestors(n) & names)}
+        starts = names - program.module.dependent(names)
         if len(starts) >= 2 and _per_output(program, starts, outputs):
             continue
         size = max(v.size for v in values)
@@ -159,7 +159,7 @@ def _repeats(program: Program) -> list[_Group]:
 def near_miss(program: Program) -> NearMiss | None:
     """The largest repeated line this detector did not name, and which test it failed."""
     best: NearMiss | None = None
-    for shape, source, values, starts, together in _repeats(program):
+    for shape, source, values, starts, together in program.shared(_repeats):
         nbytes = program.peak(values)
         if len(starts) < 2 or together < 2:
             continue  # a chain (the layers of a network) or one at a time: no loop to roll
@@ -188,7 +188,9 @@ def near_miss(program: Program) -> NearMiss | None:
 
 
 def _unrolled(program: Program) -> list[Finding]:
-    found = [g for g in _repeats(program) if len(g[3]) >= MIN_REPEATS and g[4] >= MIN_REPEATS]
+    found = [
+        g for g in program.shared(_repeats) if len(g[3]) >= MIN_REPEATS and g[4] >= MIN_REPEATS
+    ]
     if not found:
         return []
     nbytes = program.peak(v for *_, values, _, _ in found for v in values)
