@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=float, default=LIMIT, help="seconds allowed in all")
     parser.add_argument("--memory-limit", type=float, default=None,
                         help="GiB the build step may hold at its peak (default: report only)")  # fmt: skip
+    parser.add_argument("--keep-cache", type=Path, default=None,
+                        help="copy the build's measurement cache here, for `bench.profile`")  # fmt: skip
     args = parser.parse_args(argv)
     config = yaml.safe_load((ROOT / ".readthedocs.yaml").read_text())
     python = _interpreter(str(config["build"]["tools"]["python"]))
@@ -95,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         total = time.perf_counter() - start
         if not (output / "html" / "index.html").exists():
             sys.exit("rehearse: the build wrote no $READTHEDOCS_OUTPUT/html/index.html")
+        cache = checkout / "docs" / "_build" / "runbook-cache"
+        if args.keep_cache is not None and cache.exists():
+            shutil.copytree(cache, args.keep_cache, dirs_exist_ok=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for step, seconds in times:
