@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -130,7 +131,9 @@ def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-_inside: list[float] = []  # for each computation under way, the seconds of those it called
+# Per thread (pages compile for several targets in threads), for each computation under
+# way: the seconds of the entries it computed inside.
+_local = threading.local()
 
 
 def cached(
@@ -152,15 +155,16 @@ def cached(
             with (folder / HITS).open("a") as log:  # one short append: lines never interleave
                 log.write(f"{page}\t{digest}\n")
         return json.loads(path.read_text())["value"]
-    _inside.append(0.0)
+    inside: list[float] = _local.__dict__.setdefault("inside", [])
+    inside.append(0.0)
     start = time.perf_counter()
     try:
         value = compute()
     finally:
         seconds = time.perf_counter() - start
-        inner = _inside.pop()
-        if _inside:
-            _inside[-1] += seconds
+        inner = inside.pop()
+        if inside:
+            inside[-1] += seconds
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"request": request, "value": value, "page": page,
               "seconds": round(seconds, 3), "own_seconds": round(seconds - inner, 3)}  # fmt: skip
