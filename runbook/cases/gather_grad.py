@@ -79,8 +79,10 @@ def _args(
         )
     rng = np.random.default_rng(0)
     x = rng.standard_normal((side,) * 3, dtype=np.float32)
-    idx = rng.integers(0, side, size=(rows, 3)).astype(dtype)
-    return jnp.asarray(x), jnp.asarray(idx)
+    # Drawn in the index's own dtype and put on the device as it is: an int64 draw and
+    # jnp.asarray's copy would hold three times the index at once on the host.
+    idx = rng.integers(0, side, size=(rows, 3), dtype=dtype)
+    return jax.device_put(x), jax.device_put(idx)
 
 
 def _sharded_args(
