@@ -13,9 +13,12 @@ import functools
 import math
 import pathlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from ._buffers import _COLOR, Buffer, _allocation_kind, _short_path, source_frames
+
+_T = TypeVar("_T")
 
 _ITEMSIZE = {
     "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2,
@@ -286,26 +289,41 @@ class Module:
             return [found] if found is not None else []
         return []
 
+    def fold(
+        self,
+        name: str,
+        value: Callable[[Instruction, list[_T]], _T],
+        memo: dict[str, _T],
+        missing: _T,
+    ) -> _T:
+        """``value(inst, its operands' values)`` for `name`, each instruction's computed once
+        into `memo` (post order, without recursion: a deep program has long chains);
+        `missing` for a name the module does not hold."""
+        stack = [(name, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in memo:
+                continue
+            inst = self.instructions.get(n)
+            if inst is None:
+                memo[n] = missing
+            elif not expanded:
+                stack.append((n, True))
+                stack.extend((op, False) for op in inst.operands if op not in memo)
+            else:
+                memo[n] = value(inst, [memo.get(op, missing) for op in inst.operands])
+        return memo[name]
+
     def dependent(self, names: set[str]) -> set[str]:
         """The members of `names` that depend on another member (through their operands,
         transitively): one walk for the whole set, each instruction decided once, where
         `ancestors` per member walks the shared history again for every one."""
         memo: dict[str, bool] = {}
-        for start in names:
-            stack = [(start, False)]
-            while stack:
-                n, expanded = stack.pop()
-                if n in memo:
-                    continue
-                inst = self.instructions.get(n)
-                if inst is None:
-                    memo[n] = False
-                elif not expanded:
-                    stack.append((n, True))
-                    stack.extend((op, False) for op in inst.operands if op not in memo)
-                else:
-                    memo[n] = any(op in names or memo.get(op, False) for op in inst.operands)
-        return {n for n in names if memo.get(n)}
+
+        def reaches(inst: Instruction, operands: list[bool]) -> bool:
+            return any(op in names or got for op, got in zip(inst.operands, operands, strict=True))
+
+        return {n for n in names if self.fold(n, reaches, memo, False)}
 
     def ancestors(self, name: str, limit: int = 100_000) -> set[str]:
         """Every instruction `name` depends on in its computation (operands, transitively)."""

@@ -601,25 +601,16 @@ class Program:
     def _parameter_mask(self, name: str) -> int:
         """`entry_parameters_of` as a bit mask, each instruction's decided once per program
         (a detector asks for hundreds that share most of their history)."""
-        memo: dict[str, int] = self.shared(_parameter_masks)
-        stack = [(name, False)]
-        while stack:
-            n, expanded = stack.pop()
-            if n in memo:
-                continue
-            inst = self.module.get(n)
-            if inst is None:
-                memo[n] = 0
-            elif not expanded:
-                stack.append((n, True))
-                stack.extend((op, False) for op in inst.operands if op not in memo)
-            else:
-                own = inst.opcode == "parameter" and inst.computation == self.module.entry
-                mask = 1 << (inst.parameter_number or 0) if own else 0
-                for op in inst.operands:
-                    mask |= memo.get(op, 0)
-                memo[n] = mask
-        return memo[name]
+        entry = self.module.entry
+
+        def mask(inst: Instruction, operands: list[int]) -> int:
+            own = inst.opcode == "parameter" and inst.computation == entry
+            found = 1 << (inst.parameter_number or 0) if own else 0
+            for got in operands:
+                found |= got
+            return found
+
+        return self.module.fold(name, mask, self.shared(_parameter_masks), 0)
 
 
 def _parameter_masks(program: Program) -> dict[str, int]:
