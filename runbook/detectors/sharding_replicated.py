@@ -159,8 +159,12 @@ def whole(program: Program) -> set[tuple[str, str]]:
     """`whole_values`, as the set other detectors leave out (each value in one finding),
     with every value in the same memory (an H100 compile all-gathers the logits into the
     very bytes of the product that made them)."""
+    return set(program.shared(_whole_keys))  # three detectors ask: read the values once
+
+
+def _whole_keys(program: Program) -> frozenset[tuple[str, str]]:
     extents = {v.extent for v in program.shared(whole_values)}
-    return {(v.instruction, v.index) for v in program.values if v.extent in extents}
+    return frozenset((v.instruction, v.index) for v in program.values if v.extent in extents)
 
 
 def _whole_finding(program: Program) -> list[Finding]:
