@@ -138,7 +138,8 @@ def lint(session: nox.Session) -> None:
 )
 def versions(session: nox.Session, release: str) -> None:
     """Measure every case in a fresh environment per JAX release (`-- --time-limit 120`), on
-    CPU and compiled for an H100 where that release's GPU compiler is published.
+    CPU and compiled for an H100 where that release's GPU compiler is published (and for the
+    TPU a case names in `Case.shown_on`, where that release's libtpu is published).
 
     Each release runs on a Python it publishes wheels for (3.12 or newer from jax 0.11 on);
     where that Python is not on the machine, nox says so in one line and skips the release.
@@ -154,6 +155,10 @@ def versions(session: nox.Session, release: str) -> None:
         )
     except nox.command.CommandFailed:
         session.log(f"no jax-cuda12-plugin {release}: its GPU targets are recorded as such")
+    try:  # the TPU compiler, for the cases a TPU shows (Case.shown_on), where published
+        session.install(f"jax[tpu]=={release}")
+    except nox.command.CommandFailed:  # before jax 0.5, jax[tpu] pins an unpublished libtpu
+        session.log(f"no libtpu for jax {release}: its TPU targets are recorded as such")
     # jaxlib 0.4.35 finds ptxas only in a regular `nvidia.cuda_nvcc` package, which the
     # current wheel is not (a namespace package); CUDA_ROOT is the path jaxlib checks first.
     env = {**CPU_ONLY, "RUNBOOK_SESSION_STARTED": repr(started)}

@@ -87,6 +87,9 @@ class Case:
         runtime: the problem shows only in a real run (memory growing over a loop's steps,
             or while compiling), never in one compiled program: `runbook.watch` names it,
             `runbook.diagnose` cannot.
+        shown_on: the compile target whose compiler shows the problem, for a problem that
+            one kind of compiler makes and others do not (``"v5e"``: a TPU's tiles). The
+            case's own diagnosis compiles for it; None: every compiler shows it.
     """
 
     name: str
@@ -109,6 +112,7 @@ class Case:
     key_figure: str | None = None
     runtime: bool = False
     significance: float | None = None
+    shown_on: str | None = None
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:

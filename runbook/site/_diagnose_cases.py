@@ -44,14 +44,15 @@ def diagnose_case(
     """Diagnose one program of a case (default: its reproduction at its worst grid point).
 
     Compiled the way `runbook.measure_case` compiles it (a case that needs more devices
-    than this process has runs in a child process with simulated devices).
+    than this process has runs in a child process with simulated devices), for `target`,
+    else for the target whose compiler shows the case (`Case.shown_on`), else here.
     """
     from .._case import _needs_child, get_case, measure_case
     from ._accelerator import worst_point
 
     case = get_case(name)
     size = case.scale(scale)
-    t = _targets.resolve(target)
+    t = _targets.resolve(target or case.shown_on)
     chosen = (
         case.variant(variant)
         if variant

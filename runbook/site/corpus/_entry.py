@@ -20,6 +20,8 @@ class Entry:
         source: the public report the program was drawn from (written our own way).
         shape: how it is written differently from the case's own program, in a few words.
         devices: host devices it needs (several: evaluated in a child process).
+        target: the compile target it is diagnosed for, where only that kind of compiler
+            makes its mechanism (a TPU's tiles); None: this machine's backend.
     """
 
     name: str
@@ -28,6 +30,7 @@ class Entry:
     source: str
     shape: str
     devices: int = 1
+    target: str | None = None
 
     @property
     def clean(self) -> bool:
@@ -38,7 +41,7 @@ REGISTRY: list[Entry] = []
 
 
 def program(
-    *expected: str, source: str, shape: str, devices: int = 1
+    *expected: str, source: str, shape: str, devices: int = 1, target: str | None = None
 ) -> Callable[[Callable[[], Built]], Callable[[], Built]]:
     """Register the decorated build function as a corpus program expecting `expected`."""
 
@@ -46,7 +49,7 @@ def program(
         name = build.__name__.strip("_").replace("_", "-")
         if any(e.name == name for e in REGISTRY):
             raise ValueError(f"two corpus programs named {name!r}")
-        REGISTRY.append(Entry(name, build, frozenset(expected), source, shape, devices))
+        REGISTRY.append(Entry(name, build, frozenset(expected), source, shape, devices, target))
         return build
 
     return register

@@ -15,7 +15,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ... import _cache, _subprocess
+from ... import _cache, _subprocess, _targets
 from ..._render import Table
 from ._entry import REGISTRY, Entry
 
@@ -24,7 +24,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def entries() -> list[Entry]:
     """Every corpus program, single-device ones first."""
-    from . import programs, sharded  # noqa: F401 - importing registers them
+    from . import programs, sharded, tpu  # noqa: F401 - importing registers them
 
     return sorted(REGISTRY, key=lambda e: e.devices > 1)
 
@@ -72,7 +72,7 @@ def diagnose_entry(name: str) -> dict[str, Any]:
 
     entry = get(name)
     fn, args = entry.build()
-    d = diagnose(fn, *args, name=name)
+    d = diagnose(fn, *args, name=name, target=entry.target)
     whole = d.report.total + d.constants
     shares: dict[str, float] = {}
     for f in d.findings:
@@ -134,6 +134,7 @@ def evaluate(names: Sequence[str] | None = None) -> list[Outcome]:
     forced host devices.
     """
     chosen = [get(n) for n in names] if names is not None else entries()
+    chosen = [e for e in chosen if e.target is None or _targets.unavailable(e.target) is None]
     by_name = {r["name"]: r for r in _records(chosen)}
     return [
         Outcome(
@@ -190,9 +191,15 @@ def table(outcomes: Sequence[Outcome] | None = None) -> Table:
             sum(bool(o.cases) for o in clean),
         ]
     )
+    targets = sorted({o.entry.target for o in outcomes if o.entry.target})
+    compiled_for = "".join(
+        f"; {sum(o.entry.target == t for o in outcomes)} compiled for a {t} without the device"
+        for t in targets
+    )
     caption = (
         f"{len(outcomes)} corpus programs ({len(clean)} clean), each diagnosed when this page "
-        f"was built; multi-device programs on forced host devices. {provenance(outcomes)}."
+        f"was built; multi-device programs on forced host devices{compiled_for}. "
+        f"{provenance(outcomes)}."
     )
     return Table(["case", "programs", "named", "missed", "false alarms"], rows, caption)
 
