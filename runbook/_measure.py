@@ -425,10 +425,12 @@ TPU_PEAK = (
 def _target_caveats(stats: Any, target: _targets.Target) -> tuple[str, ...]:
     """What a target compiler's accounting leaves out of the figures, in words."""
     peak = getattr(stats, "peak_memory_in_bytes", None)
-    counted = (
-        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-        - stats.alias_size_in_bytes
-    )  # fmt: skip
+    # XLA's peak counts what a program holds in host memory (offloading) too.
+    counted = sum(
+        getattr(stats, f"{space}{kind}_size_in_bytes", 0) * (-1 if kind == "alias" else 1)
+        for space in ("", "host_")
+        for kind in ("argument", "output", "temp", "alias")
+    )
     if target.platform == "tpu" and peak is not None and peak_exceeds(peak, counted):
         return (TPU_PEAK,)
     return ()

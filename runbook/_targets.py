@@ -567,7 +567,7 @@ def place(args: Sequence[Any], name: str | Target, *, unsharded: bool = True) ->
     An input without a sharding goes to the target's first device (left as it is when not
     `unsharded`: a `jax.pmap` places its inputs itself); one sharded over a mesh of this
     process's devices is sharded the same way over a mesh of target devices (for a slice,
-    only a mesh of as many devices as the slice has).
+    only a mesh of as many devices as the slice has). A sharding's memory kind is kept.
     """
     import jax
     import numpy as np
@@ -580,6 +580,9 @@ def place(args: Sequence[Any], name: str | Target, *, unsharded: bool = True) ->
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             return leaf
         sharding = getattr(leaf, "sharding", None)
+        # Where the input lives (`memory_kind="pinned_host"`: host offloading) is kept.
+        kind = getattr(sharding, "memory_kind", None)
+        where = {"memory_kind": kind} if kind is not None else {}
         if isinstance(sharding, NamedSharding):
             mesh = sharding.mesh
             if not any(id(d) in mine for d in mesh.devices.flat):
@@ -592,12 +595,12 @@ def place(args: Sequence[Any], name: str | Target, *, unsharded: bool = True) ->
                     )
                 devs = target_devices(target, size)
                 mesh = Mesh(np.array(devs).reshape(mesh.devices.shape), mesh.axis_names)
-            sharding = NamedSharding(mesh, sharding.spec)
+            sharding = NamedSharding(mesh, sharding.spec, **where)
         elif not unsharded:
             return leaf
         else:
             mesh = Mesh(target_devices(target, 1), ("_",))
-            sharding = NamedSharding(mesh, PartitionSpec())
+            sharding = NamedSharding(mesh, PartitionSpec(), **where)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     return tuple(jax.tree_util.tree_map(one, list(args)))

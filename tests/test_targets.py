@@ -171,6 +171,24 @@ def test_sharded_inputs_keep_their_sharding_on_the_target():
     assert report.argument == 4096 * 1024 * 4 // 4
 
 
+def test_an_input_in_host_memory_stays_there_on_the_target_and_its_peak_is_no_caveat():
+    from jax.sharding import SingleDeviceSharding
+
+    from runbook._measure import TPU_PEAK, compile_fn
+
+    host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=host)
+    (placed,) = _targets.place((x,), "v5e")
+    assert placed.sharding.memory_kind == "pinned_host"
+    with _targets.compiling_for("v5e"):
+        stats = compile_fn(lambda a: jnp.sum(a * 2), placed).memory_analysis()
+    # The input is host memory, which XLA's peak counts and the device's sum does not.
+    assert stats.host_argument_size_in_bytes == 1024 * 1024 * 4
+    assert stats.argument_size_in_bytes == 0
+    assert stats.peak_memory_in_bytes >= stats.host_argument_size_in_bytes
+    assert TPU_PEAK not in runbook.measure(lambda a: jnp.sum(a * 2), x, target="v5e").caveats
+
+
 def test_a_program_too_large_for_a_chip_is_a_finding_with_xlas_figures():
     result = runbook.measure_case("gather-grad", "seed", target="v5e", at={"index_dtype": "int32"})
     grad = next(e for e in result.skipped if e["name"] == "grad")

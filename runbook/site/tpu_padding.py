@@ -37,6 +37,7 @@ TPUS = ("v5e", "v5p", "v6e")
 SHOWN = ("h100", *TPUS)  # the targets the page compiles every variant for
 PADDED = 10.0  # a program is padded when its padding is this many times the volume's bytes
 GRANULE = 4096  # bytes
+RECOMMENDED = CASE.recommended or "depthwise-width"
 # XLA's TPU tile for float32, (rows, lanes): the T(8,128) its compiled layouts print.
 TILE = (8, 128)
 
@@ -294,6 +295,7 @@ def _times_floor(release: Mapping[str, Any], target: str | None, name: str) -> s
 def by_release(releases: Sequence[Mapping[str, Any]] | None = None) -> Table:
     """Per release of the version matrix: the reproduction's and the recommended fix's total
     against the floor, on CPU and compiled for a v5e (where that release's libtpu exists)."""
+    shown = ("ndhwc-conv", RECOMMENDED)
     rows = []
     for release in releases if releases is not None else load_versions():
         if CASE.name not in release.get("cases", {}):
@@ -301,11 +303,10 @@ def by_release(releases: Sequence[Mapping[str, Any]] | None = None) -> Table:
         rows.append(
             [release["jax"]]
             + [_times_floor(release, t, n) for t in (None, "v5e")
-               for n in ("ndhwc-conv", CASE.recommended)]
+               for n in shown]
         )  # fmt: skip
     return Table(
-        ["jax", "ndhwc-conv, CPU", f"{CASE.recommended}, CPU", "ndhwc-conv, v5e",
-         f"{CASE.recommended}, v5e"],
+        ["jax"] + [f"{n}, {t}" for t in ("CPU", "v5e") for n in shown],
         rows,
         "Total / floor at seed scale, from the committed version matrix (`nox -s versions`); "
         "v5e compiled without the device, with each release's own libtpu.",
