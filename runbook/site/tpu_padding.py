@@ -74,11 +74,6 @@ def expansion(buffer: Buffer) -> float:
     return buffer.size / max(Shape(buffer.shape).nbytes, 1)
 
 
-def _volume_bytes() -> int:
-    scale = CASE.scales["seed"]
-    return logical_bytes(scale, scale["channels"])[0]
-
-
 def results(names: Sequence[str] = SHOWN) -> dict[str, CaseResult]:
     """Every variant at seed scale, with its buffers, on this backend and each target."""
     return on_targets(CASE.name, names=names, every_variant=None)
