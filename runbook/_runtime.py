@@ -1,6 +1,7 @@
 """Real peaks: execute a variant in a fresh process and read what it really used.
 
-GPU: the allocator's ``peak_bytes_in_use`` (per device, inputs included).
+GPU: the allocator's ``peak_bytes_in_use`` (per device, inputs included; so are the compile's
+autotuning and the making of the inputs, each peak recorded apart as it stood then).
 CPU: the process's resident-set high-water mark during the run, minus the resident set
 before the inputs were made. It includes the inputs, the outputs, XLA's temporaries and
 anything the runtime allocates on the side (thread-pool stacks, kernel scratch); it counts
@@ -44,6 +45,12 @@ class RuntimePeak:
     seconds: float
     method: str
     compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # GPU: the allocator's peak once the program was compiled, before any input existed
+    # (XLA's autotuner tries kernels, cuDNN convolutions, with workspaces of their own), and
+    # once the inputs were made, before the run. `measured`, the process's peak, includes
+    # both: the allocator's peak cannot be reset. None on CPU.
+    compile_peak: int | None = None
+    inputs_peak: int | None = None
 
     @property
     def ratio(self) -> float:
@@ -92,10 +99,12 @@ def _peak_json(
             f"refusing to run {name}/{variant} at scale {scale!r}: it needs {need:,} bytes "
             f"and {where} allows {int(SAFETY * limit):,}. Use a smaller scale."
         )
+    compile_peak = devices[0].memory_stats()["peak_bytes_in_use"] if gpu else None
     jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))  # start the runtime's pools
     if not gpu:
         base = settle()
     args = jax.block_until_ready(case.inputs(v, size, params, True))
+    inputs_peak = devices[0].memory_stats()["peak_bytes_in_use"] if gpu else None
     if not gpu:
         settle()  # making the inputs leaves freed host buffers behind
         with open("/proc/self/clear_refs", "w") as f:
@@ -127,6 +136,8 @@ def _peak_json(
         "seconds": min(times) if times else 0.0,
         "method": method,
         "compiler_options": options,
+        "compile_peak": compile_peak,
+        "inputs_peak": inputs_peak,
     }
 
 

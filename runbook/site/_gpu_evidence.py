@@ -110,6 +110,11 @@ def gpu_table(record: GpuRecord, cpu: CaseResult | None = None) -> Table:
         if peak["status"] == "ok":
             got = [fmt_bytes(peak["predicted"]), fmt_bytes(peak["measured"]),
                    f"{peak['ratio']:.2f}x", "yes" if peak["agrees"] else "no"]  # fmt: skip
+            compiling, inputs = peak.get("compile_peak"), peak.get("inputs_peak")
+            if compiling is not None and compiling >= peak["measured"]:
+                got[1] += " (reached while compiling)"
+            elif inputs is not None and inputs >= peak["measured"]:
+                got[1] += " (reached while making the inputs)"
         else:
             got = ["-", f"{peak['status']}: {peak['reason']}", "-", "-"]
         deviceless = peak.get("target_predicted")
@@ -119,6 +124,8 @@ def gpu_table(record: GpuRecord, cpu: CaseResult | None = None) -> Table:
                "GPU compile-time", "GPU measured peak", "measured / predicted", "agree"]  # fmt: skip
     caption = (
         f"Bytes per device at scale {record.scale!r}. {record.label()}. {record.scale_reason}."
+        " A peak reached while compiling (XLA's autotuner trying kernels) or while making "
+        "the inputs came before the run: the run itself held no more than that."
     )
     return Table(columns, rows, caption)
 

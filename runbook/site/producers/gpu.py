@@ -143,7 +143,8 @@ def measure_runtime(name: str, scale: str, result: Mapping[str, Any]) -> list[di
         peaks.append({
             **base, "status": "ok", "predicted": peak.predicted, "measured": peak.measured,
             "ratio": round(peak.ratio, 4), "agrees": peak.agrees, "seconds": peak.seconds,
-            "method": peak.method,
+            "method": peak.method, "compile_peak": peak.compile_peak,
+            "inputs_peak": peak.inputs_peak,
         })  # fmt: skip
     return peaks
 
