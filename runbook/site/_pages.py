@@ -201,10 +201,13 @@ def bench_report(path: str | None = None) -> list[Any]:
     if not file.exists():
         return [Note("No benchmark has been committed yet: run `nox -s bench`.")]
     data = json.loads(file.read_text())
+    load = data.get("load_average")
     where = (
         f"jax {data['jax']} / jaxlib {data['jaxlib']}, {data['host']['cpu']} "
         f"({data['host']['cores']} cores), {data['generated']}"
-    )
+        + (f"; load average {load['start'][0]} at the start, {load['end'][0]} at the end"
+           if load else "")
+    )  # fmt: skip
     seconds = data["measure_case_seconds"]
     wheres = list(dict.fromkeys(w for row in seconds.values() for w in row))
     items: list[Any] = [

@@ -279,6 +279,7 @@ def run(
 ) -> dict[str, Any]:
     os.environ.pop("RUNBOOK_CACHE_DIR", None)  # a benchmark measures the work, not the cache
     names = list(names or case_names())
+    load = [round(x, 2) for x in os.getloadavg()]  # other work on the machine skews timings
     p = Provenance.current()
     data: dict[str, Any] = {
         "jax": p.jax, "jaxlib": p.jaxlib, "backend": p.backend, "device_kind": p.device_kind,
@@ -293,6 +294,7 @@ def run(
         data["docs_build_seconds"] = builds
         data["docs_page_seconds"] = pages
         data["docs_projection"] = projection(builds, pages, len(case_names()))
+    data["load_average"] = {"start": load, "end": [round(x, 2) for x in os.getloadavg()]}
     return data
 
 
