@@ -146,6 +146,7 @@ class CaseResult:
                     floor=None if v["lower_bound"] == default_floor else v["lower_bound"],
                     compile_seconds=v.get("compile_seconds", 0.0),
                     figures=dict(v.get("figures", {})),
+                    host={k: n for k, n in v.get("host_bytes", {}).items() if k != "total"},
                     buffers=tuple(Buffer(**x) for x in (buffers or {}).get(str(i), ())),
                 )
             )

@@ -36,7 +36,10 @@ class MemoryReport:
     buffers that the output reuses counted once), unless a case supplies an analytic floor.
     ``figures`` holds what a case measures beyond the compiler's figures, by name (e.g. a
     real run's host resident set): bytes, or seconds for names ending in ``_seconds`` and
-    a count for names ending in ``_count``; empty for most programs.
+    a count for names ending in ``_count``; empty for most programs. ``host`` holds what the
+    program keeps in host memory (offloaded values, ``pinned_host`` inputs), by the same
+    kinds (argument, output, temp, alias), where a compiler keeps any apart from the device's:
+    empty for most programs, and always on CPU, whose one memory is both.
     """
 
     name: str
@@ -53,10 +56,17 @@ class MemoryReport:
     caveats: tuple[str, ...] = ()
     allocations: Mapping[str, int] = dataclasses.field(default_factory=dict)
     figures: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    host: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return self.argument + self.output + self.temp - self.alias
+
+    @property
+    def host_total(self) -> int:
+        """Bytes in host memory at the program's peak: argument + output + temp - alias."""
+        h = self.host
+        return h.get("argument", 0) + h.get("output", 0) + h.get("temp", 0) - h.get("alias", 0)
 
     @property
     def lower_bound(self) -> int:
@@ -75,6 +85,7 @@ class MemoryReport:
         record["params"] = dict(self.params)
         record["allocations"] = dict(self.allocations)
         record["figures"] = dict(self.figures)
+        record["host"] = dict(self.host)
         return record
 
     @classmethod
@@ -86,6 +97,7 @@ class MemoryReport:
         fields["caveats"] = tuple(fields.get("caveats", ()))
         fields["allocations"] = dict(fields.get("allocations", {}))
         fields["figures"] = dict(fields.get("figures", {}))
+        fields["host"] = dict(fields.get("host", {}))
         return cls(**fields)
 
     def to_json(self) -> dict[str, Any]:
@@ -107,6 +119,7 @@ class MemoryReport:
             "compile_seconds": round(self.compile_seconds, 3),
             **({"caveats": list(self.caveats)} if self.caveats else {}),
             **({"figures": dict(self.figures)} if self.figures else {}),
+            **({"host_bytes": {**self.host, "total": self.host_total}} if self.host else {}),
         }
 
 
@@ -392,6 +405,7 @@ def _measure_lowered(
     caveats = (
         _target_caveats(stats, target) if target else _backend_caveats(compiled, options)
     ) + tuple(f"JAX warned: {text}" for text in unusable)
+    host = {k: int(getattr(stats, f"host_{k}_size_in_bytes", 0) or 0) for k in HOST_KINDS}
     return MemoryReport(
         name=name,
         argument=int(stats.argument_size_in_bytes),
@@ -403,7 +417,11 @@ def _measure_lowered(
         buffers=found,
         caveats=caveats,
         allocations=sizes,
+        host=host if any(host.values()) else {},
     )
+
+
+HOST_KINDS = ("argument", "output", "temp", "alias")  # memory_analysis()'s host_*_size_in_bytes
 
 
 # XLA:CPU (jaxlib 0.10 and newer) can fuse matrix products and their consumers into YNNPACK

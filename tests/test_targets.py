@@ -186,7 +186,16 @@ def test_an_input_in_host_memory_stays_there_on_the_target_and_its_peak_is_no_ca
     assert stats.host_argument_size_in_bytes == 1024 * 1024 * 4
     assert stats.argument_size_in_bytes == 0
     assert stats.peak_memory_in_bytes >= stats.host_argument_size_in_bytes
-    assert TPU_PEAK not in runbook.measure(lambda a: jnp.sum(a * 2), x, target="v5e").caveats
+    report = runbook.measure(lambda a: jnp.sum(a * 2), x, target="v5e")
+    assert TPU_PEAK not in report.caveats
+    # The report keeps the host bytes apart from the device's, through its JSON forms too.
+    assert report.host["argument"] == 1024 * 1024 * 4
+    assert report.host_total >= report.host["argument"]
+    assert report.argument == 0
+    assert runbook.MemoryReport.from_record(report.to_record()).host == report.host
+    assert report.to_json()["host_bytes"]["total"] == report.host_total
+    # On CPU, whose one memory is both, there is nothing apart.
+    assert runbook.measure(lambda a: jnp.sum(a * 2), x).host == {}
 
 
 def test_a_program_too_large_for_a_chip_is_a_finding_with_xlas_figures():
