@@ -26,6 +26,8 @@ from ._inputs import as_jax, quiet_donation, staged
 from ._provenance import Provenance
 from ._quiet import start_backend
 
+HOST_KINDS = ("argument", "output", "temp", "alias")  # memory_analysis()'s host_*_size_in_bytes
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
@@ -78,6 +80,20 @@ class MemoryReport:
     def overhead(self) -> float:
         """total / lower bound: 1.0 means nothing beyond what must exist."""
         return self.total / self.lower_bound if self.lower_bound else float("inf")
+
+    @classmethod
+    def from_stats(cls, stats: Any, **fields: Any) -> MemoryReport:
+        """The report of a compiled program's ``memory_analysis()``, with `fields` (name,
+        provenance and the rest): the device's bytes, and the host's where it has any."""
+        host = {k: int(getattr(stats, f"host_{k}_size_in_bytes", 0) or 0) for k in HOST_KINDS}
+        return cls(
+            argument=int(stats.argument_size_in_bytes),
+            output=int(stats.output_size_in_bytes),
+            temp=int(stats.temp_size_in_bytes),
+            alias=int(stats.alias_size_in_bytes),
+            host=host if any(host.values()) else {},
+            **fields,
+        )
 
     def to_record(self) -> dict[str, Any]:
         """Everything, buffers and provenance included, as JSON-able data (`from_record`)."""
@@ -405,23 +421,15 @@ def _measure_lowered(
     caveats = (
         _target_caveats(stats, target) if target else _backend_caveats(compiled, options)
     ) + tuple(f"JAX warned: {text}" for text in unusable)
-    host = {k: int(getattr(stats, f"host_{k}_size_in_bytes", 0) or 0) for k in HOST_KINDS}
-    return MemoryReport(
+    return MemoryReport.from_stats(
+        stats,
         name=name,
-        argument=int(stats.argument_size_in_bytes),
-        output=int(stats.output_size_in_bytes),
-        temp=int(stats.temp_size_in_bytes),
-        alias=int(stats.alias_size_in_bytes),
         provenance=provenance,
         compile_seconds=seconds,
         buffers=found,
         caveats=caveats,
         allocations=sizes,
-        host=host if any(host.values()) else {},
     )
-
-
-HOST_KINDS = ("argument", "output", "temp", "alias")  # memory_analysis()'s host_*_size_in_bytes
 
 
 # XLA:CPU (jaxlib 0.10 and newer) can fuse matrix products and their consumers into YNNPACK

@@ -275,12 +275,9 @@ class Program:
         if stats is None or dump is None:
             raise RunbookError(f"the {where} compiler reports no buffer assignment to diagnose.")
         devices = _devices_used(compiled)
-        report = MemoryReport(
+        report = MemoryReport.from_stats(
+            stats,
             name=name,
-            argument=int(stats.argument_size_in_bytes),
-            output=int(stats.output_size_in_bytes),
-            temp=int(stats.temp_size_in_bytes),
-            alias=int(stats.alias_size_in_bytes),
             provenance=Provenance.for_target(target, devices) if target else Provenance.current(),
             compile_seconds=seconds,
             buffers=buffers,
