@@ -25,7 +25,7 @@ from runbook._cli import main
 from runbook._subprocess import child_env
 from runbook._targets import unavailable
 from runbook.cases import attention_scores as attn
-from runbook.cases import tpu_padding
+from runbook.cases import host_offloading, tpu_padding
 from runbook.cases._setup.attention_scores import attention_backward
 from runbook.detectors import DETECTORS
 from runbook.site import scan_residuals
@@ -505,6 +505,14 @@ CONV_FEW_CHANNELS = (
     (S((1, 8, 512, 256, 2), f32), S((3, 3, 1, 2, 1), f32)),
 )
 
+OFFLOAD = (
+    jax.value_and_grad(
+        lambda w, x: host_offloading.loss(w, x, host_offloading.offload_names("block_output"))
+    ),
+    ({"up": S((4, 256, 512), jnp.bfloat16), "down": S((4, 512, 256), jnp.bfloat16)},
+     S((2, 512, 256), jnp.bfloat16)),
+)  # fmt: skip
+
 
 def test_every_finding_names_a_registered_case_with_its_link_and_code():
     programs = [
@@ -520,11 +528,13 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
         (jax.jit(lambda b: (b.at[0].set(1.0), b.sum()), donate_argnums=0), (S((4096, 4096), f32),)),
         (jax.grad(attention_block), ATTENTION_BLOCK),
     ]
-    # A TPU's padding shows only in a TPU's program: compiled for one, without the device.
-    tpu = [] if unavailable("v5e") else [(CONV_FEW_CHANNELS, "v5e")]
+    # A TPU's padding shows only in a TPU's program, offloading only where there is a host
+    # memory apart from the device's: each compiled for its target, without the device.
+    by_target = {"tpu-padding": (CONV_FEW_CHANNELS, "v5e"), "host-offloading": (OFFLOAD, "h100")}
+    targeted = {case: p for case, p in by_target.items() if not unavailable(p[1])}
     seen = set()
     for fn, args, target in [(fn, args, None) for fn, args in programs] + [
-        (fn, args, t) for (fn, args), t in tpu
+        (fn, args, t) for (fn, args), t in targeted.values()
     ]:
         for f in runbook.diagnose(fn, *args, measure_fixes=False, target=target).findings:
             seen.add(f.case)
@@ -534,7 +544,7 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
             assert f.copy is None or f.copy in f.fix
     # sharding-replicated needs several devices: tests/test_sharding_replicated.py names it
     # on programs of its own in a child process with 8 forced host devices.
-    untested = {"sharding-replicated"} | ({"tpu-padding"} if not tpu else set())
+    untested = {"sharding-replicated"} | (set(by_target) - set(targeted))
     assert seen == set(runbook.case_names()) - untested - RUNTIME_CASES
 
 

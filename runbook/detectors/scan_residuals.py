@@ -187,12 +187,14 @@ def stacks(program: Program) -> list[_Stack]:
     return found
 
 
-def _held(program: Program, chosen: list[_Stack]) -> int:
+def held(program: Program, chosen: list[_Stack]) -> int:
     """The bytes `chosen` hold at once. Where XLA's buffer assignment is at hand, stacks
     that share memory (blocks of a scan recomputed one after another, given the same
     offset) count once and the others all count: a loop's stack lives, in the loop's
     buffer, from its start to the later loop that reads it, which the body's own live
-    ranges do not show. Without it, the order of the loops decides (`_held_in_order`)."""
+    ranges do not show. Without it, the order of the loops decides (`_held_in_order`).
+    A stack the program keeps in host memory (offloaded: not XLA's colour 0) holds none of
+    the device's bytes."""
     extents: dict[tuple[int, int, int], int] = {}
     for s in chosen:
         found = program.values_of(s.write.name) or [
@@ -200,7 +202,7 @@ def _held(program: Program, chosen: list[_Stack]) -> int:
         ]
         if not found:
             return _held_in_order(program, chosen)
-        extents.update({v.extent: v.size for v in found})
+        extents.update({v.extent: v.size for v in found if v.space == 0})
     return sum(extents.values())
 
 
@@ -232,8 +234,8 @@ class _Judgement:
 
 
 def _judge(program: Program, chosen: list[_Stack]) -> _Judgement:
-    computed = _held(program, [s for s in chosen if not s.carry])
-    carried = _held(program, [s for s in chosen if s.carry])
+    computed = held(program, [s for s in chosen if not s.carry])
+    carried = held(program, [s for s in chosen if s.carry])
     steps = max(s.loop.trip_count or 0 for s in chosen)
     total = program.total or 1
     recomputed = all(s.recomputed for s in chosen)
@@ -274,7 +276,7 @@ def _judge(program: Program, chosen: list[_Stack]) -> _Judgement:
 def _groups(program: Program) -> list[list[_Stack]]:
     """The stacks, split into loops of the forward pass and loops recomputed in the
     reverse-mode pass (their fixes differ)."""
-    found = stacks(program)
+    found = program.shared(stacks)
     groups = [[s for s in found if s.recomputed], [s for s in found if not s.recomputed]]
     return [g for g in groups if g]
 
