@@ -26,7 +26,13 @@ from ._inputs import as_jax, quiet_donation, staged
 from ._provenance import Provenance
 from ._quiet import start_backend
 
-HOST_KINDS = ("argument", "output", "temp", "alias")  # memory_analysis()'s host_*_size_in_bytes
+KINDS = ("argument", "output", "temp", "alias")  # memory_analysis()'s *_size_in_bytes
+
+
+def analysis_bytes(stats: Any, space: str = "") -> dict[str, int]:
+    """A ``memory_analysis()``'s bytes by kind, of the device (`space` ""), or of host memory
+    (``"host_"``: its ``host_*_size_in_bytes``, 0 where a jaxlib reports none)."""
+    return {k: int(getattr(stats, f"{space}{k}_size_in_bytes", 0) or 0) for k in KINDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +91,12 @@ class MemoryReport:
     def from_stats(cls, stats: Any, **fields: Any) -> MemoryReport:
         """The report of a compiled program's ``memory_analysis()``, with `fields` (name,
         provenance and the rest): the device's bytes, and the host's where it has any."""
-        host = {k: int(getattr(stats, f"host_{k}_size_in_bytes", 0) or 0) for k in HOST_KINDS}
+        device, host = analysis_bytes(stats), analysis_bytes(stats, "host_")
         return cls(
-            argument=int(stats.argument_size_in_bytes),
-            output=int(stats.output_size_in_bytes),
-            temp=int(stats.temp_size_in_bytes),
-            alias=int(stats.alias_size_in_bytes),
+            argument=device["argument"],
+            output=device["output"],
+            temp=device["temp"],
+            alias=device["alias"],
             host=host if any(host.values()) else {},
             **fields,
         )
@@ -453,9 +459,8 @@ def _target_caveats(stats: Any, target: _targets.Target) -> tuple[str, ...]:
     peak = getattr(stats, "peak_memory_in_bytes", None)
     # XLA's peak counts what a program holds in host memory (offloading) too.
     counted = sum(
-        getattr(stats, f"{space}{kind}_size_in_bytes", 0) * (-1 if kind == "alias" else 1)
-        for space in ("", "host_")
-        for kind in ("argument", "output", "temp", "alias")
+        b["argument"] + b["output"] + b["temp"] - b["alias"]
+        for b in (analysis_bytes(stats), analysis_bytes(stats, "host_"))
     )
     if target.platform == "tpu" and peak is not None and peak_exceeds(peak, counted):
         return (TPU_PEAK,)
