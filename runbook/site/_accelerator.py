@@ -176,6 +176,25 @@ def _column(where: str, result: CaseResult) -> str:
     return f"{t.name} ({fmt_bytes(t.memory)})"
 
 
+def variant_table(
+    results: Mapping[str, CaseResult], cell: Callable[[MemoryReport], str], caption: str
+) -> Table:
+    """One row per variant of the case, one column per compiler of `results` (this backend,
+    then each target: a prediction): `cell` of the variant's report there, else the status
+    it was skipped with."""
+    first = next(iter(results.values()))
+    rows = []
+    for v in get_case(first.case).variants:
+        row = [v.name]
+        for result in results.values():
+            found = result.select(v.name)
+            skipped = [e["status"] for e in result.skipped if e["name"] == v.name]
+            row.append(cell(found[0]) if found else (skipped or ["not measured"])[0])
+        rows.append(row)
+    labels = [n if n == CPU else f"{n} (compile-time prediction)" for n in results]
+    return Table(["variant", *labels], rows, caption)
+
+
 def target_table(results: Mapping[str, CaseResult]) -> Table:
     """Per variant (rows), the total per device on this backend and on each target.
 

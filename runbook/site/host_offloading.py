@@ -13,7 +13,7 @@ from .._measure import MemoryReport
 from .._render import Table, fmt_bytes
 from .._targets import get_target
 from ..cases.host_offloading import CASE
-from ._accelerator import on_targets, worst_point
+from ._accelerator import on_targets, variant_table, worst_point
 from ._claims import Claim, verdict
 
 REPORTS = {
@@ -44,19 +44,10 @@ def _cell(report: MemoryReport | None) -> str:
 def memory_table(found: Mapping[str, CaseResult] | None = None) -> Table:
     """Per variant and compiler: the device's total, and the host's where it holds any."""
     found = found if found is not None else results()
-    rows = []
-    for v in CASE.variants:
-        row = [v.name]
-        for result in found.values():
-            picked = result.select(v.name)
-            skipped = [e["status"] for e in result.skipped if e["name"] == v.name]
-            row.append(_cell(picked[0]) if picked else (skipped or ["not measured"])[0])
-        rows.append(row)
-    labels = [n if n == "cpu" else f"{n} (compile-time prediction)" for n in found]
     point = dict(next(iter(found.values())).reports[0].params)
-    return Table(
-        ["variant", *labels],
-        rows,
+    return variant_table(
+        found,
+        _cell,
         f"Device bytes per variant, and the host's beside them; {point}, seed scale, "
         f"jax {jax.__version__}, one device.",
     )

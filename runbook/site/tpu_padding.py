@@ -20,7 +20,7 @@ from .._hlo import Shape
 from .._measure import MemoryReport, compile_fn, measure
 from .._render import Table, fmt_bytes
 from ..cases.tpu_padding import CASE, logical_bytes
-from ._accelerator import on_targets
+from ._accelerator import on_targets, variant_table
 from ._claims import Claim, verdict
 from ._history import load_versions
 
@@ -82,22 +82,10 @@ def results(names: Sequence[str] = SHOWN) -> dict[str, CaseResult]:
 def padding_table(found: Mapping[str, CaseResult] | None = None) -> Table:
     """Per compiler: each variant's total, and the padding in its largest buffers."""
     found = found if found is not None else results()
-    rows = []
-    for v in CASE.variants:
-        row = [v.name]
-        for result in found.values():
-            report = result.select(v.name)
-            row.append(
-                f"{fmt_bytes(report[0].total)} ({fmt_bytes(padded_bytes(report[0]))} padding)"
-                if report
-                else "not measured"
-            )
-        rows.append(row)
-    labels = [n if n == "cpu" else f"{n} (compile-time prediction)" for n in found]
     floor = fmt_bytes(next(iter(found.values())).reports[0].lower_bound)
-    return Table(
-        ["variant", *labels],
-        rows,
+    return variant_table(
+        found,
+        lambda r: f"{fmt_bytes(r.total)} ({fmt_bytes(padded_bytes(r))} padding)",
         f"Total per variant, and in brackets the bytes its largest buffers hold beyond their "
         f"shapes; the floor (input and output, unpadded) is {floor}. jax {jax.__version__}, "
         "one device, seed scale.",
