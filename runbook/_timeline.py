@@ -14,6 +14,7 @@ import dataclasses
 import heapq
 import html
 import itertools
+import textwrap
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -242,7 +243,9 @@ class Timeline:
             loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize="small", frameon=False
         )
         head = title or f"{self.name}: live bytes over program order"
-        ax.set_title(f"{head}\n{self.provenance.label()}", fontsize="medium")
+        # A target's label is long: wrapped, it stays inside the chart's width.
+        label = textwrap.fill(self.provenance.label(), 90)
+        ax.set_title(f"{head}\n{label}", fontsize="medium")
         ax.figure.tight_layout()
         return cast("Axes", ax)
 

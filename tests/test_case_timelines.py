@@ -4,6 +4,7 @@ timelines): `runbook.site.case_timelines`, and the record a cache or a child kee
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -94,3 +95,36 @@ def test_a_grid_point_can_be_chosen():
     other = next(p for p in c.grid(c.scales["tiny"]) if p != worst)
     found = case_timelines("gather-grad", "tiny", at=other)
     assert found.params == other
+
+
+def test_a_case_shown_on_a_target_is_drawn_for_it():
+    from runbook import _targets
+
+    if why := _targets.unavailable("v5e"):
+        pytest.skip(why)
+    found = case_timelines("tpu-padding", "tiny", target="v5e")
+    assert not found.elsewhere
+    assert [t.name for _, t in found.programs] == ["ndhwc-conv", "depthwise-width"]
+    assert all("v5e" in t.provenance.label() for _, t in found.programs)
+    assert "v5e" in found.table().caption
+    here = case_timelines("tpu-padding", "tiny")
+    assert found.reproduction.peak > here.reproduction.peak  # the tiles' padding
+
+
+def test_an_unavailable_target_is_drawn_here_and_says_why(monkeypatch):
+    from runbook import _targets
+
+    monkeypatch.setattr(_targets, "unavailable", lambda name: "no compiler for it here")
+    found = case_timelines("tpu-padding", "tiny", target="v5e")
+    assert found.elsewhere == "Compiled here, not for the v5e: no compiler for it here."
+    assert found.elsewhere in found.table().caption
+    assert found.elsewhere in str(found.note())
+    assert "CPU" in found.label()
+
+
+@pytest.mark.parametrize("case", runbook.case_names())
+def test_every_case_page_draws_its_timelines(case):
+    # The browser check fails a case page without its chart; this catches it before a build.
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "cases" / f"{case}.md").read_text()
+    assert f'runbook.site.case_timelines("{case}"' in page
+    assert "```{glue:figure} timelines" in page

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import _cache, _subprocess
+from .. import _cache, _subprocess, _targets
 from .._case import _CASES, _needs_child, get_case, measure_case
 from .._errors import RunbookError
 from .._program import Program
@@ -39,6 +39,8 @@ class CaseTimelines:
         programs: ``(role, timeline)``: the reproduction, then the fix (none where this JAX
             cannot build one; `missing` says why).
         missing: why no fix is drawn, or "".
+        elsewhere: why the programs were compiled on this machine's backend rather than
+            for the target asked for, or "".
     """
 
     case: str
@@ -46,6 +48,7 @@ class CaseTimelines:
     params: Mapping[str, Any]
     programs: tuple[tuple[str, Timeline], ...]
     missing: str = ""
+    elsewhere: str = ""
 
     @property
     def reproduction(self) -> Timeline:
@@ -102,7 +105,8 @@ class CaseTimelines:
             "compiled total: argument + output + temp - alias, every allocation reserved for "
             "the whole run"
             + ("; constants: compiled into the executable, in neither" if constants else "")
-            + f". {self.missing + ' ' if self.missing else ''}{self.label()}.",
+            + f". {self.missing + ' ' if self.missing else ''}"
+            f"{self.elsewhere + ' ' if self.elsewhere else ''}{self.label()}.",
         )  # fmt: skip
 
     def note(self) -> Note:
@@ -124,6 +128,7 @@ class CaseTimelines:
             "; ".join(parts) + ". What is live at the peak is what to shrink, free sooner or "
             "never make: memory held only before or after the peak does not raise it."
             + (f" {self.missing}" if self.missing else "")
+            + (f" {self.elsewhere}" if self.elsewhere else "")
         )
 
 
@@ -147,23 +152,35 @@ def _largest(t: Timeline) -> str:
 
 
 def case_timelines(
-    case: str, scale: str = "seed", at: Mapping[str, Any] | None = None
+    case: str,
+    scale: str = "seed",
+    at: Mapping[str, Any] | None = None,
+    target: str | None = None,
 ) -> CaseTimelines:
-    """The timelines of `case`'s reproduction and recommended fix, on this process's backend.
+    """The timelines of `case`'s reproduction and recommended fix, on this process's backend
+    or compiled for `target` without its device.
 
     Both are compiled at the grid point `at` (default: where the reproduction needs the most
-    memory, `worst_point`), with the case's own compiler options, in a child process with
-    forced host devices for a case that needs more devices than this process has. Cached
-    (`runbook._cache`) with the case's measurements: a page built again compiles nothing.
+    memory on that compiler, `worst_point`): here with the case's own compiler options, in a
+    child process with forced host devices for a case that needs more devices than this
+    process has; for a target on its compile-only devices. Cached (`runbook._cache`) with
+    the case's measurements: a page built again compiles nothing.
 
     Args:
         case: a case name.
         scale: the scale (default: the write-up's).
         at: the grid point, or part of it (the reproduction's worst point among those that
             match).
+        target: a compile target (`runbook.targets()`), for a case whose problem only that
+            kind of compiler shows (`Case.shown_on`). Where this machine cannot compile for
+            it, the programs are compiled here and `elsewhere` says why.
     """
     c = get_case(case)
-    result = measure_case(case, scale)
+    elsewhere = ""
+    if target is not None and (why := _targets.unavailable(target)):
+        elsewhere = f"Compiled here, not for the {target}: {why}."
+        target = None
+    result = measure_case(case, scale, target=target)
     point = dict(at) if at is not None else worst_point(result)
     repros = result.select(role="reproduction", **point)
     if not repros:
@@ -182,31 +199,45 @@ def case_timelines(
             f"; the smallest fix measured, `{fix.name}`, is." if fix else "."
         )
     names = [repro.name] + ([fix.name] if fix is not None else [])
-    records = _cached_records(case, scale, params, names)
+    records = _cached_records(case, scale, params, names, target)
     roles = ["reproduction", "fix"]
     programs = tuple(
         (role, Timeline.from_record(rec)) for role, rec in zip(roles, records, strict=False)
     )
-    return CaseTimelines(case, scale, params, programs, missing)
+    return CaseTimelines(case, scale, params, programs, missing, elsewhere)
 
 
-def timeline_figure(case: str, scale: str = "seed", at: Mapping[str, Any] | None = None) -> Figure:
-    """`case_timelines(case, scale, at).figure()`: the reproduction's timeline above the
-    recommended fix's."""
-    return case_timelines(case, scale, at).figure()
+def timeline_figure(
+    case: str,
+    scale: str = "seed",
+    at: Mapping[str, Any] | None = None,
+    target: str | None = None,
+) -> Figure:
+    """`case_timelines(case, scale, at, target).figure()`: the reproduction's timeline
+    above the recommended fix's."""
+    return case_timelines(case, scale, at, target).figure()
 
 
 def _cached_records(
-    case: str, scale: str, params: Mapping[str, Any], variants: Sequence[str]
+    case: str,
+    scale: str,
+    params: Mapping[str, Any],
+    variants: Sequence[str],
+    target: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The timelines' records, from the cache, else compiled here or in a child."""
+    """The timelines' records, from the cache, else compiled here, in a child or for the
+    target."""
     c = get_case(case)
     request = {
         "kind": "case-timelines", "case": case, "scale": scale, "params": dict(params),
         "variants": list(variants), "options": dict(c.options()),
     }  # fmt: skip
+    if target is not None:  # keyed as before for this backend: its cache entries stay valid
+        request["target"] = _targets.require(target).name
 
     def compute() -> list[dict[str, Any]]:
+        if target is not None:
+            return _records(case, scale, dict(params), list(variants), target)
         if _needs_child(c):
             found: list[dict[str, Any]] = _subprocess.call(
                 "runbook.site._timelines:_records",
@@ -224,20 +255,28 @@ def _cached_records(
 
 
 def _records(
-    case: str, scale: str, params: dict[str, Any], variants: list[str]
+    case: str,
+    scale: str,
+    params: dict[str, Any],
+    variants: list[str],
+    target: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Each variant compiled with the case's options, its timeline as a record."""
+    """Each variant compiled with the case's options (for a target: as `runbook.measure`
+    compiles for it), its timeline as a record."""
     c = get_case(case)
     size = c.scale(scale)
+    t = _targets.resolve(target)
     out = []
     for name in variants:
         v = c.variant(name)
-        with warnings.catch_warnings():  # a fix that donates what no output reuses warns
+        # a fix that donates what no output reuses warns
+        with _targets.compiling_for(t), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             program = Program.compile(
                 v.program(params),
                 *c.inputs(v, size, params, False),
-                compiler_options=c.options(),
+                target=t,
+                compiler_options=c.options() if t is None else None,
                 name=v.name,
                 measure_fixes=False,
             )
