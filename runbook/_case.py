@@ -147,6 +147,7 @@ class CaseResult:
                     compile_seconds=v.get("compile_seconds", 0.0),
                     figures=dict(v.get("figures", {})),
                     host={k: n for k, n in v.get("host_bytes", {}).items() if k != "total"},
+                    caveats=tuple(v.get("caveats", ())),
                     buffers=tuple(Buffer(**x) for x in (buffers or {}).get(str(i), ())),
                 )
             )

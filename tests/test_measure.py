@@ -255,3 +255,22 @@ def test_the_cache_records_who_made_and_used_each_entry_for_the_build_profile(
     got = projection({"cold": 30.0}, pages, cases=2, to=4)
     overhead = max(30.0 - 44.0 / got["cores"], 0.0)
     assert got["seconds"] == pytest.approx(overhead + (40 + 2 * 20 + 4 * 2) / got["cores"], abs=0.1)
+
+
+def test_a_case_result_read_back_keeps_each_report_s_caveats():
+    # A multi-device case's result comes back from its child as JSON: its tables' caveats
+    # must come with it.
+    import json
+
+    from runbook._case import CaseResult
+
+    result = runbook.measure_case("inplace-copy", "tiny")
+    marked = dataclasses.replace(
+        result,
+        reports=tuple(
+            dataclasses.replace(r, caveats=(f"caveat of {r.name}",)) for r in result.reports
+        ),
+    )
+    back = CaseResult.from_json(json.loads(json.dumps(marked.to_json())))
+    assert [r.caveats for r in back.reports] == [r.caveats for r in marked.reports]
+    assert [r.total for r in back.reports] == [r.total for r in marked.reports]
