@@ -26,6 +26,7 @@ _ITEMSIZE = {
     "c64": 8, "c128": 16,
 }  # fmt: skip
 _ARRAY = re.compile(r"^([a-z]\w*)\[([\d,]*)\]")
+_SPACE = re.compile(r"\]\{[^}]*:[^}]*S\((\d+)\)")
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
 _NAME = re.compile(r"%?([\w.\-]+(?:#\d+)?)")
 # Newer XLA prints an operand that is one element of a tuple as ``%while.12#2`` instead of
@@ -64,6 +65,13 @@ class Shape:
         if self._parsed is None:
             return 0
         return math.ceil(math.prod(self.dims) * _ITEMSIZE.get(self.dtype, 4))
+
+    @property
+    def memory_space(self) -> int:
+        """The memory the layout puts the array in (``{1,0:S(5)}`` -> 5: the host on a GPU
+        or a TPU); 0, the device's, where the layout names none."""
+        found = _SPACE.search(self.text) if self.is_array else None
+        return int(found[1]) if found else 0
 
     def __str__(self) -> str:
         return self.text.split("{")[0] if self.is_array else self.text

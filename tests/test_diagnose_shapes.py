@@ -288,3 +288,19 @@ def test_no_near_miss_on_a_plain_product():
     d = runbook.diagnose(lambda a: a @ a, S((1024, 1024), f32))
     assert not d.findings
     assert d.closest is None
+
+
+@pytest.mark.parametrize(
+    ("text", "space"),
+    [
+        ("bf16[24,8]{1,0:S(5)}", 5),
+        ("f32[8,128]{1,0:T(8,128)S(1)}", 1),
+        ("f32[8]{0}", 0),
+        ("f32[8]", 0),
+        ("(f32[2]{0:S(5)}, f32[3]{0})", 0),  # a tuple is in no one memory
+    ],
+)
+def test_a_shape_s_memory_space_is_read_from_its_layout(text, space):
+    from runbook._hlo import Shape
+
+    assert Shape(text).memory_space == space

@@ -101,3 +101,27 @@ def test_a_tpu_keeps_the_offloaded_values_in_host_memory_too():
     result = runbook.measure_case("host-offloading", "seed", target="v5e", at=AT)
     assert result.one(CASE.recommended, **AT).host_total > 0
     assert not result.one("offload-output", **AT).host
+
+
+def test_scan_residuals_counts_no_device_bytes_for_a_stack_offloaded_to_the_host():
+    # The offloaded stack is written by an async dynamic-update-slice into host memory
+    # (`S(5)` in its layout): none of it is the device's.
+    from runbook._program import Program
+    from runbook.detectors import scan_residuals
+
+    _need("h100")
+    t = _targets.require("h100")
+    params = {"layers": min(SEED["layers"])}
+    held = {}
+    for name in ("remat", CASE.recommended):
+        v = CASE.variant(name)
+        with _targets.compiling_for(t):
+            program = Program.compile(
+                v.program(params), *CASE.inputs(v, SEED, params, False), target=t, name=name
+            )
+        stacks = scan_residuals.stacks(program)
+        assert stacks
+        held[name] = scan_residuals.held(program, stacks)
+        assert held[name] <= program.report.temp
+    assert held["remat"] > 0
+    assert held[CASE.recommended] == 0

@@ -209,7 +209,11 @@ def held(program: Program, chosen: list[_Stack]) -> int:
 def _held_in_order(program: Program, chosen: list[_Stack]) -> int:
     """Without XLA's live ranges: each stack lives from its loop to the loop that reads it,
     in the order the (scheduled) computation lists them; all at once when they are not in
-    one computation."""
+    one computation. A stack written to host memory (its layout's memory space) holds none
+    of the device's bytes."""
+    chosen = [s for s in chosen if s.write.shape.memory_space == 0]
+    if not chosen:
+        return 0
     computations = {s.loop.computation for s in chosen} | {
         s.reader.computation for s in chosen if s.reader is not None
     }
