@@ -145,3 +145,27 @@ def test_cli_json(capsys):
         assert v["lower_bound"] > 0
     biggest = max(v["bytes"]["total"] for v in data["variants"])
     assert biggest > 64 * 2**30  # the seed scale, never allocated
+
+
+def test_offloading_the_carries_is_remat_body_on_cpu(seed):
+    # XLA:CPU has one memory: the offload policy saves the carries where remat-body does.
+    result = seed[0]
+    for t in scan_residuals.STEPS:
+        assert result.one("offload-carry", steps=t).total == result.one("remat-body", steps=t).total
+
+
+def test_offloading_the_carries_moves_every_one_to_the_host_for_a_gpu():
+    from runbook import _targets
+
+    if why := _targets.unavailable("h100"):
+        pytest.skip(why)
+    t = max(scan_residuals.STEPS)
+    result = runbook.measure_case(
+        "scan-residuals", "seed", target="h100", variants=["offload-carry", "remat-nested"],
+        at={"steps": t},
+    )  # fmt: skip
+    offload, nested = result.one("offload-carry", steps=t), result.one("remat-nested", steps=t)
+    carry = scan_residuals.carry_bytes(CASE.scales["seed"])
+    assert offload.host_total == t * carry
+    assert offload.total < nested.total
+    assert offload.lower_bound <= offload.total <= 1.25 * offload.lower_bound

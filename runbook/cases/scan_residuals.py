@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from .._case_types import Case, Variant
 
@@ -81,6 +82,29 @@ def loss_remat_policy(
     def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
         return step(h, x, w), None
 
+    h, _ = lax.scan(jax.checkpoint(body, policy=policy), h0, xs)
+    return jnp.sum(h)
+
+
+def loss_offload_carry(w: jax.Array, h0: jax.Array, xs: jax.Array) -> jax.Array:
+    """Fix on a GPU or a TPU: `jax.checkpoint` on the body, each step's input carry offloaded
+    to the host's pinned memory.
+
+    Name what the backward pass reads: under `jax.checkpoint` that is each step's input
+    carry, not its output (offloading the output's name moves nothing, jax-ml/jax#23869).
+    The stack then lives in host memory and the backward pass copies one carry back per
+    step. On CPU, XLA has one memory: this compiles to `loss_remat_body`'s program.
+    """
+
+    def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+        return step(checkpoint_name(h, "carry"), x, w), None
+
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["carry"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
     h, _ = lax.scan(jax.checkpoint(body, policy=policy), h0, xs)
     return jnp.sum(h)
 
@@ -164,11 +188,15 @@ def stored_carry_bytes(scale: Mapping[str, Any], platform: str) -> int:
 
 def floor_bytes(variant: str, scale: Mapping[str, Any], steps: int, platform: str) -> int:
     """Arguments + outputs + the carries the strategy must store (see `saved_carries`),
-    each at the bytes `platform`'s compiler must store it in (`stored_carry_bytes`)."""
+    each at the bytes `platform`'s compiler must store it in (`stored_carry_bytes`), in
+    device memory: offloaded carries are stored in the host's, except on CPU, which has
+    one memory."""
     hidden: int = scale["hidden"]
     batch: int = scale["batch"]
     arguments = (hidden * hidden + batch * hidden + steps * hidden) * 4
     outputs = 4 if variant == "forward" else 4 + hidden * hidden * 4
+    if variant == "offload-carry" and platform != "cpu":
+        return arguments + outputs
     stored = saved_carries(variant, steps) * stored_carry_bytes(scale, platform)
     return arguments + outputs + stored
 
@@ -220,6 +248,14 @@ CASE = Case(
             "fix",
             "jax.checkpoint on the scan's body",
             lambda p: jax.value_and_grad(loss_remat_body),
+        ),
+        Variant(
+            "offload-carry",
+            "fix",
+            "jax.checkpoint on the body, each step's input carry offloaded to pinned host "
+            "memory (save_and_offload_only_these_names)",
+            lambda p: jax.value_and_grad(loss_offload_carry),
+            since="jax.checkpoint_policies.save_and_offload_only_these_names",
         ),
         Variant(
             "remat-nested",
