@@ -76,7 +76,12 @@ def tests(session: nox.Session, release: str) -> None:
         "-e.[targets]", f"jax=={release}", f"jaxlib=={release}",
         *nox.project.dependency_groups(PROJECT, "test"),
     )  # fmt: skip
-    session.run("pytest", *session.posargs, env=CPU_ONLY)
+    # One worker per core, each test file on one worker: a file's module-scoped measurements
+    # are made once (pass `-n 0` after -- to run in this process).
+    session.run(
+        "pytest", "-n", "auto", "--maxprocesses", "8", "--dist", "loadfile", *session.posargs,
+        env=CPU_ONLY,
+    )  # fmt: skip
 
 
 @nox.session(default=False, python=ENDS["newest"][0])
