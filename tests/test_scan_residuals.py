@@ -13,6 +13,7 @@ import runbook
 import runbook.site
 from runbook._cli import main
 from runbook.cases import scan_residuals
+from runbook.cases._setup import scan_residuals as scan_setup
 from runbook.cases.scan_residuals import CASE
 from runbook.site import scan_residuals as page
 
@@ -41,7 +42,7 @@ def test_whole_case_measured_within_a_minute(seed):
 
 
 def per_step(result, name, t):
-    carry = scan_residuals.carry_bytes(CASE.scales["seed"])
+    carry = scan_setup.carry_bytes(CASE.scales["seed"])
     return result.one(name, steps=t).temp / carry / t
 
 
@@ -49,7 +50,7 @@ def test_gradient_stores_what_jax_saves_per_step_and_body_remat_one(seed):
     # How many residuals JAX saves per step is the release's (see carries_by_release): the
     # compiled gradient holds one carry-sized row for each, and body remat holds one.
     result, t = seed[0], max(scan_residuals.STEPS)
-    tiny = scan_residuals._args(CASE.scales["tiny"], {"steps": 16}, False)
+    tiny = scan_setup._args(CASE.scales["tiny"], {"steps": 16}, False)
     saved = len(page.saved_residuals(scan_residuals.loss, *tiny))
     assert saved >= 2
     assert per_step(result, "grad", t) == pytest.approx(saved, abs=0.05)
@@ -82,15 +83,15 @@ def test_recommended_fix_saves_and_sits_near_its_floor(seed):
 
 
 def test_floor_counts_the_carries_each_strategy_must_store():
-    assert scan_residuals.saved_carries("grad", 4096) == 4096
-    assert scan_residuals.saved_carries("remat-nested", 4096) == 2 * math.isqrt(4096)
-    assert scan_residuals.saved_carries("forward", 4096) == 0
+    assert scan_setup.saved_carries("grad", 4096) == 4096
+    assert scan_setup.saved_carries("remat-nested", 4096) == 2 * math.isqrt(4096)
+    assert scan_setup.saved_carries("forward", 4096) == 0
 
 
 def test_saved_residuals_name_the_stacked_arrays():
     scale = CASE.scales["tiny"]
-    args = scan_residuals._args(scale, {"steps": 16}, False)
-    stacked = 16 * scan_residuals.carry_bytes(scale)
+    args = scan_setup._args(scale, {"steps": 16}, False)
+    stacked = 16 * scan_setup.carry_bytes(scale)
     grad = page.saved_residuals(scan_residuals.loss, *args)
     body = page.saved_residuals(scan_residuals.loss_remat_body, *args)
     assert [size for _, size, _ in grad] == [stacked] * len(grad)
@@ -109,7 +110,7 @@ def test_fixes_give_the_same_value_and_gradient():
 
 
 def test_nested_segments_must_divide_the_steps():
-    args = scan_residuals._args(CASE.scales["tiny"], {"steps": 16}, True)
+    args = scan_setup._args(CASE.scales["tiny"], {"steps": 16}, True)
     with pytest.raises(ValueError, match="`segments`"):
         scan_residuals.loss_nested(*args, segments=3)
     value = scan_residuals.loss_nested(*args, segments=2)
@@ -117,7 +118,7 @@ def test_nested_segments_must_divide_the_steps():
 
 
 def test_layers_with_whole_remat_compute_the_same():
-    w, h0, xs = scan_residuals._args(CASE.scales["tiny"], {"steps": 16}, True)
+    w, h0, xs = scan_setup._args(CASE.scales["tiny"], {"steps": 16}, True)
     ws = jax.numpy.stack([w, -w])
     plain = jax.value_and_grad(page.loss_layers)(ws, h0, xs)
     wrapped = jax.value_and_grad(lambda *a: page.loss_layers(*a, whole=True))(ws, h0, xs)
@@ -165,7 +166,7 @@ def test_offloading_the_carries_moves_every_one_to_the_host_for_a_gpu():
         at={"steps": t},
     )  # fmt: skip
     offload, nested = result.one("offload-carry", steps=t), result.one("remat-nested", steps=t)
-    carry = scan_residuals.carry_bytes(CASE.scales["seed"])
+    carry = scan_setup.carry_bytes(CASE.scales["seed"])
     assert offload.host_total == t * carry
     assert offload.total < nested.total
     assert offload.lower_bound <= offload.total <= 1.25 * offload.lower_bound

@@ -26,14 +26,12 @@ from .._buffers import _short_path
 from .._case import CaseResult, measure_case
 from .._measure import MemoryReport, measure
 from .._render import Table, fmt_bytes
+from ..cases._setup.scan_residuals import _args, carry_bytes, saved_carries
 from ..cases.scan_residuals import (
     CASE,
     STEPS,
-    _args,
-    carry_bytes,
     final_state,
     loss,
-    saved_carries,
     step,
 )
 from ._claims import Claim, verdict
