@@ -76,10 +76,10 @@ def tests(session: nox.Session, release: str) -> None:
         "-e.[targets]", f"jax=={release}", f"jaxlib=={release}",
         *nox.project.dependency_groups(PROJECT, "test"),
     )  # fmt: skip
-    # One worker per core, each test file on one worker: a file's module-scoped measurements
-    # are made once (pass `-n 0` after -- to run in this process).
+    # One worker per core; a worker that runs out of tests takes some of another's, so one
+    # long file does not leave the others idle (pass `-n 0` after -- to run in this process).
     session.run(
-        "pytest", "-n", "auto", "--maxprocesses", "8", "--dist", "loadfile", *session.posargs,
+        "pytest", "-n", "auto", "--maxprocesses", "8", "--dist", "worksteal", *session.posargs,
         env=CPU_ONLY,
     )  # fmt: skip
 
