@@ -89,10 +89,13 @@ def docs(session: nox.Session) -> None:
     """Build the site, executing every page.
 
     `-- --fresh` deletes the previous build first; `-- --cuda` measures with JAX's CUDA
-    build (on a machine with an NVIDIA GPU).
+    build (on a machine with an NVIDIA GPU); `-- --no-store` compiles every program for the
+    GPU and TPU targets here instead of reading what docs/_store holds (`nox -s store`).
     """
     session.install("-e.[targets]", *nox.project.dependency_groups(PROJECT, "docs"))
     env = dict(CPU_ONLY)
+    if "--no-store" in session.posargs:
+        env["RUNBOOK_STORE_DIR"] = ""
     if "--cuda" in session.posargs:
         session.install("jax[cuda12]")
         env = {}
@@ -192,6 +195,15 @@ def bench(session: nox.Session) -> None:
     out = ROOT / "docs" / "_data" / "bench" / "bench.json"
     session.run("python", "-m", "runbook.site.producers.bench", "--out", str(out), "--docs", *session.posargs,
                 env=CPU_ONLY)  # fmt: skip
+
+
+@nox.session(default=False)
+def store(session: nox.Session) -> None:
+    """Build the site (every page executes) and write docs/_store: each program it compiled
+    for a GPU or TPU target, as measured, for builds elsewhere to read instead of compiling.
+    Run after changing the measurement core or a case, and commit docs/_store."""
+    session.install("-e.[targets]", *nox.project.dependency_groups(PROJECT, "docs"))
+    session.run("python", "-m", "runbook.site.producers.store", *session.posargs, env=CPU_ONLY)
 
 
 @nox.session(default=False)

@@ -107,4 +107,8 @@ os.environ["PATH"] = os.pathsep.join([str(pathlib.Path(sys.executable).parent), 
 # Measurements are stored by the hash of everything they depend on (runbook/_cache.py), so a
 # page re-executed because a neighbour changed re-measures only what changed.
 os.environ.setdefault("RUNBOOK_CACHE_DIR", str(DOCS / "_build" / "runbook-cache"))
+# What the GPU and TPU compilers made of each program the pages compile for a target, as
+# `nox -s store` recorded them (the same on every machine: see runbook/_cache.py). A build
+# compiles what it lacks; RUNBOOK_STORE_DIR= (empty) compiles everything here.
+os.environ.setdefault("RUNBOOK_STORE_DIR", str(DOCS / "_store"))
 os.environ["RUNBOOK_DOCS_DIR"] = str(DOCS)

@@ -6,16 +6,27 @@ case's own module, the JAX, jaxlib and compiler-plugin versions, the XLA/JAX env
 and the request itself (case, scale, variant, grid point, target, options). Edit a case
 module and only that case's entries miss; edit the core and every entry misses. Nothing is
 ever invalidated in place: a changed input is a different key.
+
+A program compiled for a GPU or TPU target without its device (`compile_only`) measures the
+same on every machine, so its entries are keyed without the machine, and a second, read-only
+store may hold them: ``RUNBOOK_STORE_DIR`` names a folder of JSON-lines files that
+`runbook.site.producers.store` (``nox -s store``) writes from a build's entries. The docs set
+it to ``docs/_store``: the hosted build reads those compiles instead of repeating them. A
+store file counts only while the measurement core is the one it was made with, and each of
+its entries is keyed by the rest (case module, versions, environment, request), so a store
+never answers for code or compilers it was not made with.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import tempfile
 import threading
 import time
@@ -30,6 +41,11 @@ ENV_VAR = "RUNBOOK_CACHE_DIR"
 # `nox -s bench` can tell which page made each entry and which pages used it again.
 PAGE_VAR = "RUNBOOK_PAGE"
 HITS = "hits.tsv"  # one line per entry read back: the page that read it, the entry's key
+STORE_VAR = "RUNBOOK_STORE_DIR"
+# One line per compile-only entry a build used: its store key, and whether it was computed,
+# read back from this folder, or read from the store (`MADE`, `CACHED`, `STORED`).
+USED = "used.tsv"
+MADE, CACHED, STORED = "made", "cached", "stored"
 _ENV_PREFIXES = ("XLA_", "JAX_", "TPU_", "CUDA_VISIBLE_DEVICES")
 _DISTRIBUTIONS = (
     "jax",
@@ -66,10 +82,16 @@ def _per_case(path: pathlib.Path) -> bool:
     return parts[1] == "corpus" or (len(parts) == 2 and not parts[1].startswith("_"))
 
 
+# The store's own producer runs after a build, never inside one: editing it changes no figure.
+_STORE_PRODUCER = PACKAGE / "site" / "producers" / "store.py"
+
+
 @functools.cache
 def core_hash() -> str:
     """The measurement core: every module of the package but the cases and their pages."""
-    return _hash_files([p for p in PACKAGE.rglob("*.py") if not _per_case(p)])
+    return _hash_files(
+        [p for p in PACKAGE.rglob("*.py") if not _per_case(p) and p != _STORE_PRODUCER]
+    )
 
 
 @functools.cache
@@ -111,8 +133,13 @@ def _machine() -> str:
     return f"{platform.system()} {platform.machine()}, {found['cpu']}, {found['cores']} cores"
 
 
-def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
-    """The key of `request` (JSON-able), with the sources and environment it depends on."""
+def compile_only(request: Mapping[str, Any]) -> bool:
+    """Whether `request` compiles for a GPU or TPU target without the device: its result
+    depends on the compiler, not on this machine."""
+    return request.get("target") not in (None, "cpu")
+
+
+def _payload(request: Mapping[str, Any], module: str | None) -> dict[str, Any]:
     own = own_env()
     env = {
         k: v
@@ -120,20 +147,79 @@ def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
         if k.startswith(_ENV_PREFIXES) and own.get(k) != v
     }
     env.pop(ENV_VAR, None)
-    payload = {
+    return {
         "request": request,
-        "machine": _machine(),
-        "core": core_hash(),
+        "machine": None if compile_only(request) else _machine(),
         "module": module_hash(module) if module else None,
         "versions": _versions(),
         "env": env,
     }
+
+
+def _digest(payload: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
+    """The key of `request` (JSON-able), with the sources and environment it depends on."""
+    return _digest({**_payload(request, module), "core": core_hash()})
+
+
+def store_key(request: Mapping[str, Any], *, module: str | None = None) -> str:
+    """`key` less the measurement core, which a store file records once for all its entries."""
+    return _digest(_payload(request, module))
+
+
+def store_directory() -> pathlib.Path | None:
+    """The folder of stored compile-only entries, or None when there is none."""
+    value = os.environ.get(STORE_VAR)
+    return pathlib.Path(value) if value else None
+
+
+_KEY = re.compile(r'\{"key": "([0-9a-f]{64})"')  # how each stored entry's line starts
+
+
+@functools.cache
+def _store(folder: pathlib.Path) -> dict[str, str]:
+    """The stored entries made with this measurement core, by store key: each one's line,
+    parsed only when read (the store holds thousands of programs' reports)."""
+    lines: dict[str, str] = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        with path.open() as f:
+            header = json.loads(f.readline())
+            if header.get("core") != core_hash():
+                continue  # made by another measurement core: none of its entries count
+            for line in f:
+                found = _KEY.match(line)
+                if found:
+                    lines[found[1]] = line
+    return lines
+
+
+def stored(request: Mapping[str, Any], *, module: str | None = None) -> tuple[bool, Any]:
+    """(True, value) when the store holds `request`'s result, else (False, None)."""
+    folder = store_directory()
+    if folder is None or not compile_only(request):
+        return False, None
+    line = _store(folder).get(store_key(request, module=module))
+    return (True, json.loads(line)["value"]) if line is not None else (False, None)
+
+
+def _log(folder: pathlib.Path, name: str, fields: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / name).open("a") as log:  # one short append: lines never interleave
+        log.write("\t".join(fields) + "\n")
 
 
 # Per thread (pages compile for several targets in threads), for each computation under
 # way: the seconds of the entries it computed inside.
 _local = threading.local()
+# For the computation under way, the store keys of the compile-only entries it used inside:
+# a context variable, so that the threads `runbook.site.parallel` starts (each in a copy of
+# the context) add to their caller's list. An entry records them, and reading it back
+# counts them as used again: `nox -s store` keeps every compile a build needs, even those
+# inside an entry this machine had cached.
+_uses: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("uses", default=None)
 
 
 def cached(
@@ -143,33 +229,62 @@ def cached(
 
     Each entry also records the page that made it and the seconds its computation took
     itself (``own_seconds``: less the entries it computed inside); a read-back is logged
-    in the folder's `HITS` file."""
+    in the folder's `HITS` file. A compile-only request missing here is read from the
+    store (`stored`) when it holds it; each compile-only entry a build uses is logged in
+    the folder's `USED` file."""
     folder = directory()
     if folder is None:
-        return compute()
+        found, value = stored(request, module=module)
+        return value if found else compute()
     digest = key(request, module=module)
     path = folder / digest[:2] / f"{digest}.json"
     page = os.environ.get(PAGE_VAR)
+    own = [store_key(request, module=module)] if compile_only(request) else []
     if path.exists():
         if page:
-            with (folder / HITS).open("a") as log:  # one short append: lines never interleave
-                log.write(f"{page}\t{digest}\n")
-        return json.loads(path.read_text())["value"]
+            _log(folder, HITS, [page, digest])
+        record = json.loads(path.read_text())
+        _used(folder, CACHED, own + record.get("uses", []))
+        return record["value"]
+    if own:
+        found, value = stored(request, module=module)
+        if found:
+            _used(folder, STORED, own)
+            return value
     inside: list[float] = _local.__dict__.setdefault("inside", [])
     inside.append(0.0)
+    uses: list[str] = []
+    token = _uses.set(uses)
     start = time.perf_counter()
     try:
         value = compute()
     finally:
         seconds = time.perf_counter() - start
+        _uses.reset(token)
         inner = inside.pop()
         if inside:
             inside[-1] += seconds
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"request": request, "value": value, "page": page,
-              "seconds": round(seconds, 3), "own_seconds": round(seconds - inner, 3)}  # fmt: skip
+    record = {"request": request, "value": value, "page": page, "module": module,
+              "seconds": round(seconds, 3), "own_seconds": round(seconds - inner, 3),
+              "uses": sorted(set(uses))}  # fmt: skip
+    if own:  # what `nox -s store` needs to keep it, whatever environment this process had
+        record.update(store_key=own[0], core=core_hash())
     # Write then rename: pages running in parallel never read half a file.
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
         json.dump(record, f, default=str)
     pathlib.Path(f.name).replace(path)
+    _used(folder, MADE, own)
+    outer = _uses.get()
+    if outer is not None:
+        outer.extend(uses)  # what the entry used inside, its caller used too
     return value
+
+
+def _used(folder: pathlib.Path, source: str, keys: list[str]) -> None:
+    """Log compile-only entries as used (`USED`), and count them in the caller's entry."""
+    outer = _uses.get()
+    if outer is not None:
+        outer.extend(keys)
+    for k in keys:
+        _log(folder, USED, [k, source])

@@ -395,7 +395,19 @@ def program_hash(lowered: Any) -> str:
         text = lowered.as_text(debug_info=True)
     except TypeError:  # releases before debug_info was an option
         text = lowered.as_text()
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(portable(text).encode()).hexdigest()
+
+
+# Where this checkout and Python's library (installed packages included) lie on this machine.
+_CHECKOUT = str(_cache.PACKAGE.parent) + "/"
+_LIBRARY = re.compile(r'"/[^"]*?/(lib/python3\.\d+/)')
+
+
+def portable(text: str) -> str:
+    """`text` with its absolute source paths made relative, to this checkout or to Python's
+    library: the same program hashes alike on every machine, so that a program compiled for
+    a target is measured once for all of them (`runbook._cache`'s store)."""
+    return _LIBRARY.sub(r'"\1', text.replace('"' + _CHECKOUT, '"'))
 
 
 def _measure_lowered(

@@ -21,7 +21,21 @@ def build_site(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "STDERR_DIR", tmp_path / "stderr")
+    monkeypatch.setattr(module, "CACHE", tmp_path / "cache")
     return module
+
+
+def test_the_build_says_where_its_compiles_for_targets_came_from(build_site):
+    from runbook import _cache
+
+    assert build_site.USED == _cache.USED
+    build_site.CACHE.mkdir()
+    (build_site.CACHE / build_site.USED).write_text(
+        "a\tstored\nb\tmade\na\tcached\nc\tcached\nd\tstored\n"
+    )
+    assert build_site.target_compiles().endswith(
+        "2 read from docs/_store, 1 from this machine's cache, 1 compiled now"
+    )
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,9 @@ SPHINX = ["-m", "sphinx", "-j", "auto", "-n", "-T", "-W", "--keep-going", "-b", 
 PORT_TAKEN = "zmq.error.ZMQError: Address already in use"
 KERNEL_DIED = "DeadKernelError: Kernel died"
 STDERR_DIR = ROOT / "docs" / "_build" / "stderr"  # runbook._quiet.KEEP_VAR points here
+# Where docs/conf.py keeps the measurement cache unless RUNBOOK_CACHE_DIR says otherwise.
+CACHE = Path(os.environ.get("RUNBOOK_CACHE_DIR") or ROOT / "docs" / "_build" / "runbook-cache")
+USED = "used.tsv"  # runbook._cache.USED: each compile for a target the build used, and whence
 
 
 def build(output: str) -> tuple[int, str | None]:
@@ -73,11 +76,24 @@ def memory_left() -> str:
     return ", ".join(f"{k} {v:.1f} GiB" for k, v in gib.items())
 
 
+def target_compiles() -> str:
+    """Where the build's compiles for GPU and TPU targets came from (docs/_store, this
+    machine's cache, or compiled now), from the log the measurement cache keeps."""
+    log = CACHE / USED
+    lines = log.read_text().splitlines() if log.exists() else []
+    first = dict(reversed([line.split("\t")[:2] for line in lines if "\t" in line]))
+    counts = {s: list(first.values()).count(s) for s in ("stored", "cached", "made")}
+    return (f"build_site: compiles for GPU and TPU targets: {counts['stored']} read from "
+            f"docs/_store, {counts['cached']} from this machine's cache, {counts['made']} "
+            "compiled now")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         sys.exit(__doc__)
     output = str(Path(args[0]).resolve())  # Sphinx runs from the repository's root
+    (CACHE / USED).unlink(missing_ok=True)  # this build's log only (`nox -s store` reads it)
     status, lost = build(output)
     if status and lost == PORT_TAKEN:
         print("build_site: a page's kernel found its port taken at start "
@@ -89,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         status, lost = build(output)
     if status and lost == KERNEL_DIED:
         print(f"build_site: a kernel died again ({memory_left()}); {last_words()}", flush=True)
+    print(target_compiles(), flush=True)
     return status
 
 

@@ -1,7 +1,9 @@
 """On your accelerator: a case's variants on CPU and compiled for GPU and TPU targets.
 
-Every figure for a target is a compile-time prediction made on this machine by that
-target's own XLA compiler (see `runbook.targets()`); nothing ran on the device.
+Every figure for a target is a compile-time prediction made by that target's own XLA
+compiler without the device (see `runbook.targets()`): on this machine, or read from the
+store `nox -s store` made with the same sources and compilers (`runbook._cache`); nothing
+ran on the device.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def target_table(results: Mapping[str, CaseResult]) -> Table:
         f"use by default (GPU: the {_share()} JAX's allocator takes, {GPU_ALLOCATOR_SOURCE}; "
         "TPU: the usable HBM XLA reports), ~ fits the device's memory but not that share, ✗ "
         f"exceeds the memory. First column: this machine, {p.label()}. Other columns: compiled "
-        "here by each target's own XLA compiler, without the device: predictions, not runs."
+        "by each target's own XLA compiler, without the device: predictions, not runs."
     )
     if partial:
         caption += (

@@ -324,7 +324,7 @@ def constants_by_compiler(results: Mapping[str, CaseResult]) -> Table:
          "its constants", f"{RECOMMENDED}: total", "its constants"],
         rows,
         "memory_analysis totals (arguments + temporaries + outputs) beside the constants each "
-        "compiler's buffer assignment holds, which no total includes. Targets: compiled here "
+        "compiler's buffer assignment holds, which no total includes. Targets: compiled "
         "by each target's compiler, without the device.",
     )  # fmt: skip
 

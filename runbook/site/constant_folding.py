@@ -476,7 +476,7 @@ def floor_table(results: Mapping[str, CaseResult]) -> Table:
         ["compiled for", "variant", "memory_analysis total", "floor", "total / floor",
          "constants (not in the total)"],
         rows,
-        "Compile time only: targets are compiled here by each target's compiler, without the "
+        "Compile time only: targets are compiled by each target's compiler, without the "
         "device. The floor: x and the output (a table computed at run time can be computed "
         "where it is used).",
     )  # fmt: skip

@@ -279,7 +279,7 @@ def targets_table(results: Mapping[str, CaseResult]) -> Table:
          "total / floor"],
         rows,
         "One step at the largest batch; the floor: the weights, the batch and the loss. "
-        "Targets are compiled here by each target's compiler, without the device.",
+        "Targets are compiled by each target's compiler, without the device.",
     )  # fmt: skip
 
 

@@ -1,0 +1,140 @@
+"""docs/_store: the site's compiles for GPU and TPU targets, read by builds instead of compiling
+again (runbook/_cache.py), made by `nox -s store` and kept as current as the code."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from runbook import _cache, _case
+from runbook._targets import unavailable
+from runbook.site.producers import store
+
+STORE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "_store"
+STALE = "docs/_store is older than the code: run `nox -s store` and commit docs/_store"
+
+
+def _files() -> list[pathlib.Path]:
+    return sorted(STORE.glob("*.jsonl"))
+
+
+def _header(path: pathlib.Path) -> dict:
+    with path.open() as f:
+        return json.loads(f.readline())
+
+
+def _this_release(path: pathlib.Path) -> None:
+    """Skip where the installed compilers are not the store's (the oldest tested end)."""
+    if _header(path)["versions"] != _cache._versions():
+        pytest.skip(f"docs/_store was made with {_header(path)['versions']}")
+
+
+def test_the_store_holds_the_targets_every_case_page_compiles_for():
+    assert {"h100", "v5e"} <= {p.stem for p in _files()}
+    for path in _files():
+        header = _header(path)
+        assert header["made_by"] == "nox -s store"
+        assert header["date"]
+        assert header["versions"]["jax"]
+        assert header["versions"]["jaxlib"]
+
+
+def test_the_store_is_as_current_as_the_code():
+    """The measurement core it was made with, and each entry's case module, are today's."""
+    for path in _files():
+        _this_release(path)
+        assert _header(path)["core"] == _cache.core_hash(), STALE
+        lines = path.read_text().splitlines()[1:]
+        assert lines
+        for line in lines:
+            entry = json.loads(line)
+            assert entry["request"]["target"] == path.stem
+            if entry["module"]:
+                assert entry["source"] == _cache.module_hash(entry["module"]), (
+                    f"{entry['module']} changed since: {STALE}"
+                )
+
+
+def test_a_stored_compile_is_what_compiling_here_gives(monkeypatch):
+    """A case's programs for the H100, read from the store, against compiling them on this
+    machine: the store answers for every machine only if these agree."""
+    path = STORE / "h100.jsonl"
+    _this_release(path)
+    if unavailable("h100"):
+        pytest.skip(unavailable("h100"))
+    monkeypatch.delenv(_cache.ENV_VAR, raising=False)
+    monkeypatch.setenv(_cache.STORE_VAR, str(STORE))
+    found = []
+    lookup = _cache.stored
+    monkeypatch.setattr(
+        _cache, "stored", lambda *a, **k: found.append(lookup(*a, **k)) or found[-1]
+    )
+    read = _case.measure_case("inplace-copy", "seed", target="h100")
+    assert any(hit for hit, _ in found), "no program of inplace-copy was read from the store"
+    monkeypatch.setenv(_cache.STORE_VAR, "")
+    compiled = _case.measure_case("inplace-copy", "seed", target="h100")
+    assert [_figures(r) for r in read.reports] == [_figures(r) for r in compiled.reports]
+
+
+def _figures(report) -> dict:
+    """A report less when it was compiled and how long that took."""
+    record = report.to_record()
+    record.pop("compile_seconds")
+    record["provenance"].pop("date")
+    return record
+
+
+def test_a_build_reads_a_compile_for_a_target_from_the_store_and_never_one_for_this_machine(
+    tmp_path, monkeypatch
+):
+    calls = []
+
+    def compute(value):
+        def run():
+            calls.append(value)
+            return value
+
+        return run
+
+    target, here = {"kind": "t", "target": "h100"}, {"kind": "t", "target": None}
+    monkeypatch.setenv(_cache.ENV_VAR, str(tmp_path / "first"))
+    monkeypatch.delenv(_cache.STORE_VAR, raising=False)
+    assert _cache.cached(target, compute(1)) == 1
+    assert _cache.cached(here, compute(2)) == 2
+    entries, counts = store.collect(tmp_path / "first", tmp_path / "store")
+    assert counts == {_cache.MADE: 1}
+    assert len(entries) == 1
+    assert store.write(entries, tmp_path / "store") == {"h100": 1}
+
+    _cache._store.cache_clear()
+    monkeypatch.setenv(_cache.ENV_VAR, str(tmp_path / "second"))  # another machine's cache
+    monkeypatch.setenv(_cache.STORE_VAR, str(tmp_path / "store"))
+    assert _cache.cached(target, compute(3)) == 1  # read, not compiled
+    assert _cache.cached(here, compute(4)) == 4  # this machine's figures are its own
+    assert calls == [1, 2, 4]
+    assert store.collect(tmp_path / "second", tmp_path / "store")[1] == {_cache.STORED: 1}
+
+    # Another measurement core: the store no longer answers.
+    _cache._store.cache_clear()
+    monkeypatch.setattr(_cache, "core_hash", lambda: "another core")
+    assert _cache.cached(target, compute(5)) == 5
+    _cache._store.cache_clear()
+
+
+def test_a_compile_for_a_target_is_keyed_without_the_machine(monkeypatch):
+    target, here = {"kind": "t", "target": "v5e"}, {"kind": "t", "target": None}
+    before = _cache.key(target), _cache.key(here)
+    monkeypatch.setattr(_cache, "_machine", lambda: "another machine")
+    assert _cache.key(target) == before[0]
+    assert _cache.key(here) != before[1]
+
+
+def test_a_program_hashes_alike_wherever_its_sources_lie():
+    from runbook._measure import _CHECKOUT, portable
+
+    here = f'loc("{_CHECKOUT}runbook/cases/x.py":3:4) "/venv/lib/python3.13/site-packages/o.py"'
+    there = 'loc("/home/docs/runbook/cases/x.py":3:4) "/usr/lib/python3.13/site-packages/o.py"'
+    assert portable(here) == 'loc("runbook/cases/x.py":3:4) "lib/python3.13/site-packages/o.py"'
+    assert portable(there) != portable(here)  # a checkout elsewhere is made relative there
