@@ -147,6 +147,7 @@ def _payload(request: Mapping[str, Any], module: str | None) -> dict[str, Any]:
         if k.startswith(_ENV_PREFIXES) and own.get(k) != v
     }
     env.pop(ENV_VAR, None)
+    env.pop("TPU_LIBRARY_PATH", None)  # where libtpu lies on this machine: its version is keyed
     return {
         "request": request,
         "machine": None if compile_only(request) else _machine(),

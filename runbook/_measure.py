@@ -398,16 +398,20 @@ def program_hash(lowered: Any) -> str:
     return hashlib.sha256(portable(text).encode()).hexdigest()
 
 
-# Where this checkout and Python's library (installed packages included) lie on this machine.
+# Where this checkout, Python's library (installed packages included) and a notebook's cells
+# (a folder per kernel process) lie on this machine.
 _CHECKOUT = str(_cache.PACKAGE.parent) + "/"
 _LIBRARY = re.compile(r'"/[^"]*?/(lib/python3\.\d+/)')
+_CELLS = re.compile(r'"/[^"]*?/ipykernel_\d+/')
 
 
 def portable(text: str) -> str:
-    """`text` with its absolute source paths made relative, to this checkout or to Python's
-    library: the same program hashes alike on every machine, so that a program compiled for
-    a target is measured once for all of them (`runbook._cache`'s store)."""
-    return _LIBRARY.sub(r'"\1', text.replace('"' + _CHECKOUT, '"'))
+    """`text` with its absolute source paths made relative, to this checkout, to Python's
+    library or to a notebook kernel's cells: the same program hashes alike in every process
+    on every machine, so that a program compiled for a target is measured once for all of
+    them (`runbook._cache`'s store)."""
+    text = _LIBRARY.sub(r'"\1', text.replace('"' + _CHECKOUT, '"'))
+    return _CELLS.sub('"ipykernel/', text)
 
 
 def _measure_lowered(

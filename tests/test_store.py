@@ -138,3 +138,5 @@ def test_a_program_hashes_alike_wherever_its_sources_lie():
     there = 'loc("/home/docs/runbook/cases/x.py":3:4) "/usr/lib/python3.13/site-packages/o.py"'
     assert portable(here) == 'loc("runbook/cases/x.py":3:4) "lib/python3.13/site-packages/o.py"'
     assert portable(there) != portable(here)  # a checkout elsewhere is made relative there
+    cell = 'loc("/tmp/ipykernel_4711/2160394545.py":3:4)'
+    assert portable(cell) == 'loc("ipykernel/2160394545.py":3:4)'  # a cell, in any kernel
