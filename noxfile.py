@@ -207,6 +207,21 @@ def store(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+@nox.parametrize(("python", "release"), [ENDS["oldest"], ENDS["newest"]], ids=["oldest", "newest"])
+def store_tests(session: nox.Session, release: str) -> None:
+    """Run the test suite at one end, as `nox -s tests` does, and write tests/_store/jax-<release>:
+    each compile for a GPU or TPU target the tests asked for, which the suite then reads
+    instead of compiling. Run after changing the measurement core or a case (pytest options
+    after --), and commit tests/_store."""
+    session.install(
+        "-e.[targets]", f"jax=={release}", f"jaxlib=={release}",
+        *nox.project.dependency_groups(PROJECT, "test"),
+    )  # fmt: skip
+    session.run("python", "-m", "runbook.site.producers.store", "--tests", *session.posargs,
+                env=CPU_ONLY)  # fmt: skip
+
+
+@nox.session(default=False)
 def oom(session: nox.Session) -> None:
     """The out-of-memory messages the runbook makes itself (XLA's TPU compiler for a v5e,
     without the device; XLA's CPU runtime), for `runbook.explain`'s page and tests. Writes

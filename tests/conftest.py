@@ -1,13 +1,41 @@
-"""Fixtures shared by the case tests."""
+"""Fixtures shared by the case tests, and the test suite's store of compiles for targets."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Collection
+from typing import Any
 
 import jax
 import pytest
 
+import runbook
+from runbook import _cache
 from runbook.site._history import recorded_verdicts
+from runbook.site.producers import store
+
+# A compile for a GPU or TPU target runs that target's compiler and no device: the suite
+# reads the ones its tests ask for from its own store, made at this release by
+# `nox -s "store_tests(oldest)"` and `"store_tests(newest)"` (tests/test_store.py fails
+# while it is older than the code). A test that times a measurement compiles here
+# (`measured_here`); RUNBOOK_STORE_DIR="" compiles everything here.
+os.environ.setdefault(_cache.STORE_VAR, str(store.tests_store(jax.__version__)))
+
+
+@pytest.fixture(scope="session")
+def measured_here() -> Callable[[str, str | None], tuple[Any, float]]:
+    """``measured_here(case, target)``: the case measured at seed scale, compiled on this
+    machine and not read from a store, and the seconds that took (what a reader waits)."""
+
+    def measure(case: str, target: str | None) -> tuple[Any, float]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(_cache.STORE_VAR, "")
+            start = time.perf_counter()
+            result = runbook.measure_case(case, "seed", target=target)
+            return result, time.perf_counter() - start
+
+    return measure
 
 
 @pytest.fixture

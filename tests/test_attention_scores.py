@@ -4,8 +4,6 @@ against plain attention."""
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +20,10 @@ TARGETS = [None, "h100", "v5e"]  # the ones the page shows
 
 
 @pytest.fixture(scope="module", params=TARGETS, ids=lambda t: t or "cpu")
-def seed(request):
+def seed(request, measured_here):
     if request.param and _targets.unavailable(request.param):
         pytest.skip(_targets.unavailable(request.param))
-    start = time.perf_counter()
-    result = runbook.measure_case("attention-scores", "seed", target=request.param)
-    return result, time.perf_counter() - start
+    return measured_here("attention-scores", request.param)
 
 
 def test_measured_within_a_minute_per_target(seed):

@@ -3,8 +3,6 @@ detector on programs written differently, and the loop timing of jax-ml/jax#4010
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +20,10 @@ S, f32 = jax.ShapeDtypeStruct, jnp.float32
 
 
 @pytest.fixture(scope="module", params=TARGETS, ids=lambda t: t or "cpu")
-def seed(request):
+def seed(request, measured_here):
     if request.param and _targets.unavailable(request.param):
         pytest.skip(_targets.unavailable(request.param))
-    start = time.perf_counter()
-    result = runbook.measure_case("inplace-copy", "seed", target=request.param)
-    return result, time.perf_counter() - start
+    return measured_here("inplace-copy", request.param)
 
 
 def test_verdicts_are_the_ones_this_release_recorded(recorded):

@@ -82,13 +82,12 @@ def test_what_each_holder_keeps_after_the_loop(figures):
     assert y["live_after_collect"] == 0
 
 
-def test_compile_time_totals_are_the_same_and_hold_the_floor_on_every_target(seed):
+def test_compile_time_totals_are_the_same_and_hold_the_floor_on_every_target(seed, measured_here):
     floor = live_references.floor_bytes(SEED)
     results = {"cpu": seed[0]}
     for target in ("h100", "v5e"):
-        start = time.perf_counter()
-        results[target] = runbook.measure_case("live-references", "seed", target=target)
-        assert time.perf_counter() - start < 60, target
+        results[target], seconds = measured_here("live-references", target)
+        assert seconds < 60, target
     for where, result in results.items():
         totals = {r.name: r.total for r in result.reports}
         assert len(set(totals.values())) == 1, (where, totals)  # one program for all

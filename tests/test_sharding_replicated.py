@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +24,10 @@ TARGETS = [None, "h100", "v5e"]  # the ones the page shows
 
 
 @pytest.fixture(scope="module", params=TARGETS, ids=lambda t: t or "cpu")
-def seed(request):
+def seed(request, measured_here):
     if request.param and _targets.unavailable(request.param):
         pytest.skip(_targets.unavailable(request.param))
-    start = time.perf_counter()
-    result = runbook.measure_case("sharding-replicated", "seed", target=request.param)
-    return result, time.perf_counter() - start
+    return measured_here("sharding-replicated", request.param)
 
 
 def test_verdicts_are_the_ones_this_release_recorded(recorded):

@@ -57,6 +57,27 @@ def test_the_store_is_as_current_as_the_code():
                 )
 
 
+def test_the_test_suites_store_is_as_current_as_the_code():
+    """The suite's own store at this release (conftest.py reads it): made with today's
+    measurement core, else the suite compiles every program for a target again."""
+    import jax
+
+    from runbook._releases import TESTED
+
+    ends = [end for end, (_, release) in TESTED.items() if release == jax.__version__]
+    if not ends:
+        pytest.skip(f"jax {jax.__version__} is neither tested end: no store of its own")
+    stale = (f"tests/_store is older than the code: run `nox -s \"store_tests({ends[0]})\"` "
+             "and commit tests/_store")  # fmt: skip
+    files = sorted(store.tests_store(jax.__version__).glob("*.jsonl"))
+    assert {"h100", "v5e"} <= {p.stem for p in files}, stale
+    for path in files:
+        header = _header(path)
+        assert header["made_by"] == f'nox -s "store_tests({ends[0]})"'
+        assert header["versions"] == _cache._versions()
+        assert header["core"] == _cache.core_hash(), stale
+
+
 def test_a_stored_compile_is_what_compiling_here_gives(monkeypatch):
     """A case's programs for the H100, read from the store, against compiling them on this
     machine: the store answers for every machine only if these agree."""
@@ -142,3 +163,21 @@ def test_a_program_hashes_alike_wherever_its_sources_lie():
     assert portable(there) != portable(here)  # a checkout elsewhere is made relative there
     cell = 'loc("/tmp/ipykernel_4711/2160394545.py":3:4)'
     assert portable(cell) == 'loc("ipykernel/2160394545.py":3:4)'  # a cell, in any kernel
+
+
+def test_the_suites_producer_writes_down_the_compiles_for_targets_a_test_asked_for(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv(_cache.ENV_VAR, raising=False)
+    monkeypatch.setenv(_cache.STORE_VAR, str(tmp_path / "store"))
+    asked = store.collecting(_cache.cached, tmp_path)
+    target, here = {"kind": "t", "target": "v5e"}, {"kind": "t", "target": None}
+    assert asked(target, lambda: 1) == 1
+    assert asked(here, lambda: 2) == 2  # this machine's own: never stored
+    monkeypatch.setenv(_cache.STORE_VAR, "")  # a test that compiles here: not its store's
+    assert asked({"kind": "u", "target": "h100"}, lambda: 3) == 3
+    (written,) = tmp_path.glob("*.jsonl")
+    (line,) = [json.loads(x) for x in written.read_text().splitlines()]
+    assert line["request"] == target
+    assert line["value"] == 1
+    assert line["store_key"] == _cache.store_key(target)

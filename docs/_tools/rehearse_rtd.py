@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GiB the build step may hold at its peak (default: report only)")  # fmt: skip
     parser.add_argument("--keep-cache", type=Path, default=None,
                         help="copy the build's measurement cache here, for `bench.profile`")  # fmt: skip
+    parser.add_argument("--keep-html", type=Path, default=None,
+                        help="copy the built site here, to compare it with another build")  # fmt: skip
     args = parser.parse_args(argv)
     config = yaml.safe_load((ROOT / ".readthedocs.yaml").read_text())
     python = _interpreter(str(config["build"]["tools"]["python"]))
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         cache = checkout / "docs" / "_build" / "runbook-cache"
         if args.keep_cache is not None and cache.exists():
             shutil.copytree(cache, args.keep_cache, dirs_exist_ok=True)
+        if args.keep_html is not None:
+            shutil.copytree(output / "html", args.keep_html, dirs_exist_ok=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for step, seconds in times:

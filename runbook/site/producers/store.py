@@ -1,6 +1,7 @@
 """Make docs/_store/: every program the site compiles for a GPU or TPU target, as measured.
 
     nox -s store    (python -m runbook.site.producers.store [--out DIR] [--no-build])
+    nox -s "store_tests(oldest)"   (... --tests [pytest options]: the test suite's, below)
 
 builds the site into a fresh folder (every page executes; the measurement cache in
 ``docs/_build/runbook-cache`` and the current store answer what they hold), then writes each
@@ -13,6 +14,12 @@ lines instead of compiling again; it compiles what the store lacks.
 
 Run it after changing the measurement core or a case, and commit ``docs/_store``: the tests
 fail while the store is older than the code (``tests/test_store.py``).
+
+``--tests`` does the same for the test suite at the JAX release installed: it runs the
+suite with this module as a pytest plugin, which writes down every compile-only entry a
+test asks for (`collecting`), into ``tests/_store/jax-<release>/<target>.jsonl``; the
+suite reads it there (``tests/conftest.py``). Each tested end has its own, since the
+compilers' versions are in every key.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import pathlib
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ... import _cache
@@ -35,14 +43,23 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 OUT = ROOT / "docs" / "_store"
 CACHE = ROOT / "docs" / "_build" / "runbook-cache"
 COMMAND = "nox -s store"
+TESTS = ROOT / "tests" / "_store"
+# Where the plugin (`pytest_configure`) writes what the tests asked for: a file per process.
+COLLECT_VAR = "RUNBOOK_STORE_COLLECT"
+PLUGIN = "runbook.site.producers.store"  # this module, which runs as __main__ here
 
 
-def header() -> dict[str, Any]:
+def tests_store(release: str) -> pathlib.Path:
+    """The test suite's store for a JAX release."""
+    return TESTS / f"jax-{release}"
+
+
+def header(command: str = COMMAND) -> dict[str, Any]:
     """What every entry of a store file was made with."""
     return {
         "core": _cache.core_hash(),
         "versions": _cache._versions(),
-        "made_by": COMMAND,
+        "made_by": command,
         "date": datetime.date.today().isoformat(),
     }
 
@@ -82,7 +99,9 @@ def collect(cache: pathlib.Path, store: pathlib.Path) -> tuple[dict[str, dict[st
     return {d: found[d] for d in sorted(used) if d in found}, counts
 
 
-def write(entries: Mapping[str, Mapping[str, Any]], out: pathlib.Path) -> dict[str, int]:
+def write(
+    entries: Mapping[str, Mapping[str, Any]], out: pathlib.Path, command: str = COMMAND
+) -> dict[str, int]:
     """One file per target; a file whose entries did not change keeps its header (its date)."""
     by_target: dict[str, list[str]] = collections.defaultdict(list)
     for digest, entry in entries.items():
@@ -95,7 +114,7 @@ def write(entries: Mapping[str, Mapping[str, Any]], out: pathlib.Path) -> dict[s
     for stale in out.glob("*.jsonl"):
         if stale.stem not in by_target:
             stale.unlink()
-    top = header()
+    top = header(command)
     for target, lines in by_target.items():
         path = out / f"{target}.jsonl"
         body = "".join(f"{line}\n" for line in lines)
@@ -118,13 +137,81 @@ def build(cache: pathlib.Path, store: pathlib.Path) -> None:
     shutil.rmtree(html, ignore_errors=True)
 
 
+def collecting(cached: Callable[..., Any], folder: pathlib.Path) -> Callable[..., Any]:
+    """`runbook._cache.cached`, also writing each compile-only entry asked for (computed, or
+    read from a store) to a file of this process's in `folder`; not while a test has set
+    another store (the store's own tests make up requests and measurement cores)."""
+    store = os.environ.get(_cache.STORE_VAR)
+
+    def asked(request: Mapping[str, Any], compute: Callable[[], Any], **kw: Any) -> Any:
+        value = cached(request, compute, **kw)
+        if _cache.compile_only(request) and os.environ.get(_cache.STORE_VAR) == store:
+            module = kw.get("module")
+            line = {"store_key": _cache.store_key(request, module=module), "module": module,
+                    "request": request, "value": value}  # fmt: skip
+            with (folder / f"{os.getpid()}.jsonl").open("a") as f:
+                f.write(json.dumps(line, default=str) + "\n")
+        return value
+
+    return asked
+
+
+def pytest_configure(config: Any) -> None:
+    """As a pytest plugin (``-p runbook.site.producers.store``), in every worker: collect."""
+    folder = os.environ.get(COLLECT_VAR)
+    if folder:
+        _cache.cached = collecting(_cache.cached, pathlib.Path(folder))  # type: ignore[assignment]
+
+
+def _current(entry: Mapping[str, Any]) -> bool:
+    return not entry["module"] or entry["source"] == _cache.module_hash(entry["module"])
+
+
+def from_tests(pytest_args: Sequence[str], out: pathlib.Path) -> int:
+    """Run the test suite here, reading `out` and collecting; write `out` from what the tests
+    asked for. Returns pytest's exit code."""
+    import jax  # the release whose compilers the entries come from
+
+    from ..._releases import TESTED
+
+    end = [e for e, (_, release) in TESTED.items() if release == jax.__version__]
+    command = f'nox -s "store_tests({end[0]})"' if end else f"{COMMAND} -- --tests"
+    with tempfile.TemporaryDirectory(prefix="runbook-collect-") as folder:
+        env = {**os.environ, COLLECT_VAR: folder, _cache.STORE_VAR: str(out)}
+        env.pop(_cache.ENV_VAR, None)
+        argv = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-n", "auto", "--dist",
+                "worksteal", "-q", *pytest_args]  # fmt: skip
+        code = subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
+        # What earlier runs wrote that is still valid (today's core, its module unchanged):
+        # a run of part of the suite keeps the rest's.
+        entries = {e["key"]: e for e in _stored(out) if _current(e)}
+        for path in pathlib.Path(folder).glob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                entries[entry["store_key"]] = entry
+    written = write(dict(sorted(entries.items())), out, command)
+    print(f"store: {sum(written.values())} entries the tests asked for in {out}: "
+          + ", ".join(f"{t} {n}" for t, n in written.items())
+          + f"; pytest exited {code}", flush=True)  # fmt: skip
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=OUT)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--cache", type=pathlib.Path, default=CACHE)
     parser.add_argument("--no-build", action="store_true",
                         help="write from the entries the last build logged")  # fmt: skip
-    args = parser.parse_args(argv)
+    parser.add_argument("--tests", action="store_true",
+                        help="the test suite's store, at the JAX release installed")  # fmt: skip
+    args, rest = parser.parse_known_args(argv)
+    if args.tests:
+        import jax
+
+        return from_tests(rest, args.out or tests_store(jax.__version__))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.out = args.out or OUT
     if not args.no_build:
         build(args.cache, args.out)
     entries, counts = collect(args.cache, args.out)
