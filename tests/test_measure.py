@@ -237,6 +237,7 @@ def test_the_cache_records_who_made_and_used_each_entry_for_the_build_profile(
         return value
 
     monkeypatch.setenv(_cache.ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(_cache.STORE_VAR, "")  # made-up requests: no store answers them
     monkeypatch.setenv(_cache.PAGE_VAR, "cases/a")
     inner = lambda: _cache.cached({"kind": "inner"}, lambda: slow(0.3, 1))
     outer = {"kind": "outer", "target": "h100"}

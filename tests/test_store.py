@@ -165,19 +165,19 @@ def test_a_program_hashes_alike_wherever_its_sources_lie():
     assert portable(cell) == 'loc("ipykernel/2160394545.py":3:4)'  # a cell, in any kernel
 
 
-def test_the_suites_producer_writes_down_the_compiles_for_targets_a_test_asked_for(
+def test_the_suites_producer_writes_down_the_compiles_for_targets_the_package_asked_for(
     tmp_path, monkeypatch
 ):
     monkeypatch.delenv(_cache.ENV_VAR, raising=False)
     monkeypatch.setenv(_cache.STORE_VAR, str(tmp_path / "store"))
-    asked = store.collecting(_cache.cached, tmp_path)
-    target, here = {"kind": "t", "target": "v5e"}, {"kind": "t", "target": None}
-    assert asked(target, lambda: 1) == 1
-    assert asked(here, lambda: 2) == 2  # this machine's own: never stored
+    monkeypatch.setattr(_cache, "cached", store.collecting(_cache.cached, tmp_path))
+    _case.measure_case("inplace-copy", "tiny", target="h100", variants=["update-only"])
+    _case.measure_case("inplace-copy", "tiny", variants=["update-only"])  # this machine's own
+    assert _cache.cached({"kind": "made-up", "target": "v5e"}, lambda: 1) == 1  # a test's own
     monkeypatch.setenv(_cache.STORE_VAR, "")  # a test that compiles here: not its store's
-    assert asked({"kind": "u", "target": "h100"}, lambda: 3) == 3
-    (written,) = tmp_path.glob("*.jsonl")
-    (line,) = [json.loads(x) for x in written.read_text().splitlines()]
-    assert line["request"] == target
-    assert line["value"] == 1
-    assert line["store_key"] == _cache.store_key(target)
+    _case.measure_case("inplace-copy", "tiny", target="v5e", variants=["update-only"])
+    lines = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert lines
+    assert {line["request"]["target"] for line in lines} == {"h100"}
+    for line in lines:
+        assert line["store_key"] == _cache.store_key(line["request"], module=line["module"])

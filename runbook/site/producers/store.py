@@ -139,13 +139,19 @@ def build(cache: pathlib.Path, store: pathlib.Path) -> None:
 
 def collecting(cached: Callable[..., Any], folder: pathlib.Path) -> Callable[..., Any]:
     """`runbook._cache.cached`, also writing each compile-only entry asked for (computed, or
-    read from a store) to a file of this process's in `folder`; not while a test has set
-    another store (the store's own tests make up requests and measurement cores)."""
+    read from a store) to a file of this process's in `folder`. Only what the package asks
+    for, and not while a test has set another store: tests of the cache and the store make
+    up requests, values and measurement cores."""
     store = os.environ.get(_cache.STORE_VAR)
 
     def asked(request: Mapping[str, Any], compute: Callable[[], Any], **kw: Any) -> Any:
         value = cached(request, compute, **kw)
-        if _cache.compile_only(request) and os.environ.get(_cache.STORE_VAR) == store:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if (
+            _cache.compile_only(request)
+            and caller.startswith("runbook.")
+            and os.environ.get(_cache.STORE_VAR) == store
+        ):
             module = kw.get("module")
             line = {"store_key": _cache.store_key(request, module=module), "module": module,
                     "request": request, "value": value}  # fmt: skip
