@@ -166,7 +166,7 @@ def pytest_configure(config: Any) -> None:
     """As a pytest plugin (``-p runbook.site.producers.store``), in every worker: collect."""
     folder = os.environ.get(COLLECT_VAR)
     if folder:
-        _cache.cached = collecting(_cache.cached, pathlib.Path(folder))  # type: ignore[assignment]
+        _cache.cached = collecting(_cache.cached, pathlib.Path(folder))
 
 
 def _current(entry: Mapping[str, Any]) -> bool:
