@@ -62,18 +62,15 @@ def test_the_test_suites_store_is_as_current_as_the_code():
     measurement core, else the suite compiles every program for a target again."""
     import jax
 
-    from runbook._releases import TESTED
-
-    ends = [end for end, (_, release) in TESTED.items() if release == jax.__version__]
-    if not ends:
+    command = store.tests_command(jax.__version__)
+    if command is None:
         pytest.skip(f"jax {jax.__version__} is neither tested end: no store of its own")
-    stale = (f"tests/_store is older than the code: run `nox -s \"store_tests({ends[0]})\"` "
-             "and commit tests/_store")  # fmt: skip
+    stale = f"tests/_store is older than the code: run `{command}` and commit tests/_store"
     files = sorted(store.tests_store(jax.__version__).glob("*.jsonl"))
     assert {"h100", "v5e"} <= {p.stem for p in files}, stale
     for path in files:
         header = _header(path)
-        assert header["made_by"] == f'nox -s "store_tests({ends[0]})"'
+        assert header["made_by"] == command
         assert header["versions"] == _cache._versions()
         assert header["core"] == _cache.core_hash(), stale
 

@@ -54,6 +54,15 @@ def tests_store(release: str) -> pathlib.Path:
     return TESTS / f"jax-{release}"
 
 
+def tests_command(release: str) -> str | None:
+    """The session that makes the suite's store for `release`, None for a release that is
+    neither tested end."""
+    from ..._releases import TESTED
+
+    ends = [end for end, (_, tested) in TESTED.items() if tested == release]
+    return f'nox -s "store_tests({ends[0]})"' if ends else None
+
+
 def header(command: str = COMMAND) -> dict[str, Any]:
     """What every entry of a store file was made with."""
     return {
@@ -173,15 +182,10 @@ def _current(entry: Mapping[str, Any]) -> bool:
     return not entry["module"] or entry["source"] == _cache.module_hash(entry["module"])
 
 
-def from_tests(pytest_args: Sequence[str], out: pathlib.Path) -> int:
-    """Run the test suite here, reading `out` and collecting; write `out` from what the tests
-    asked for. Returns pytest's exit code."""
-    import jax  # the release whose compilers the entries come from
-
-    from ..._releases import TESTED
-
-    end = [e for e, (_, release) in TESTED.items() if release == jax.__version__]
-    command = f'nox -s "store_tests({end[0]})"' if end else f"{COMMAND} -- --tests"
+def from_tests(pytest_args: Sequence[str], out: pathlib.Path, release: str) -> int:
+    """Run the test suite here (JAX `release`), reading `out` and collecting; write `out`
+    from what the tests asked for. Returns pytest's exit code."""
+    command = tests_command(release) or f"{COMMAND} -- --tests"
     with tempfile.TemporaryDirectory(prefix="runbook-collect-") as folder:
         env = {**os.environ, COLLECT_VAR: folder, _cache.STORE_VAR: str(out)}
         env.pop(_cache.ENV_VAR, None)
@@ -212,9 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the test suite's store, at the JAX release installed")  # fmt: skip
     args, rest = parser.parse_known_args(argv)
     if args.tests:
-        import jax
+        import jax  # the release whose compilers the entries come from
 
-        return from_tests(rest, args.out or tests_store(jax.__version__))
+        release = jax.__version__
+        return from_tests(rest, args.out or tests_store(release), release)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.out = args.out or OUT
