@@ -398,20 +398,30 @@ def program_hash(lowered: Any) -> str:
     return hashlib.sha256(portable(text).encode()).hexdigest()
 
 
-# Where this checkout, Python's library (installed packages included) and a notebook's cells
-# (a folder per kernel process) lie on this machine.
+# Where this checkout, Python's library (installed packages included, in a virtual
+# environment inside the checkout too, as nox makes them) and a notebook's cells (a folder
+# per kernel process) lie on this machine.
 _CHECKOUT = str(_cache.PACKAGE.parent) + "/"
 _LIBRARY = re.compile(r'"/[^"]*?/(lib/python3\.\d+/)')
 _CELLS = re.compile(r'"/[^"]*?/ipykernel_\d+/')
+# The line and column of a frame in Python's standard library or in the notebook kernel that
+# runs a page's cells: the call stack under a cell's code, which differs by Python and
+# kernel release and is never the program's.
+_CALLER = re.compile(
+    r'("lib/python3\.\d+/(?:site-packages/(?:IPython|ipykernel|tornado|traitlets)/'
+    r'|site-packages/ipykernel_launcher\.py|(?!site-packages/))[^"]*")'
+    r":\d+:\d+(?: to (?:\d+)?:\d+)?"
+)
 
 
 def portable(text: str) -> str:
-    """`text` with its absolute source paths made relative, to this checkout, to Python's
-    library or to a notebook kernel's cells: the same program hashes alike in every process
-    on every machine, so that a program compiled for a target is measured once for all of
-    them (`runbook._cache`'s store)."""
-    text = _LIBRARY.sub(r'"\1', text.replace('"' + _CHECKOUT, '"'))
-    return _CELLS.sub('"ipykernel/', text)
+    """`text` with its absolute source paths made relative, to Python's library, to this
+    checkout or to a notebook kernel's cells, and without the line numbers of the kernel's
+    own frames: the same program hashes alike in every process on every machine, so that a
+    program compiled for a target is measured once for all of them (`runbook._cache`'s
+    store)."""
+    text = _LIBRARY.sub(r'"\1', text).replace('"' + _CHECKOUT, '"')
+    return _CALLER.sub(r"\1", _CELLS.sub('"ipykernel/', text))
 
 
 def _measure_lowered(

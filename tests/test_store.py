@@ -160,6 +160,19 @@ def test_a_program_hashes_alike_wherever_its_sources_lie():
     assert portable(there) != portable(here)  # a checkout elsewhere is made relative there
     cell = 'loc("/tmp/ipykernel_4711/2160394545.py":3:4)'
     assert portable(cell) == 'loc("ipykernel/2160394545.py":3:4)'  # a cell, in any kernel
+    # nox's environments lie inside the checkout: their packages are the library's still.
+    inside = f'loc("{_CHECKOUT}.nox/docs/lib/python3.13/site-packages/flax/core.py":7:1)'
+    assert portable(inside) == 'loc("lib/python3.13/site-packages/flax/core.py":7:1)'
+    # The kernel's and the standard library's frames under a cell keep their files, not
+    # their lines, which each release moves; a package's own lines are kept.
+    kernel = (
+        'loc("/venv/lib/python3.13/site-packages/IPython/core/interactiveshell.py":3823:20 to '
+        ':69) loc("/usr/lib/python3.13/asyncio/events.py":89:12 to 90:4)'
+    )
+    assert portable(kernel) == (
+        'loc("lib/python3.13/site-packages/IPython/core/interactiveshell.py") '
+        'loc("lib/python3.13/asyncio/events.py")'
+    )
 
 
 def test_the_suites_producer_writes_down_the_compiles_for_targets_the_package_asked_for(
