@@ -542,9 +542,9 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
             assert f.link == f"cases/{f.case}.html#fix"
             assert f.link in f.fix
             assert f.copy is None or f.copy in f.fix
-    # sharding-replicated needs several devices: tests/test_sharding_replicated.py names it
-    # on programs of its own in a child process with 8 forced host devices.
-    untested = {"sharding-replicated"} | (set(by_target) - set(targeted))
+    # sharding-replicated and resharding need several devices: their tests name them on
+    # programs of their own in a child process with 8 forced host devices.
+    untested = {"sharding-replicated", "resharding"} | (set(by_target) - set(targeted))
     assert seen == set(runbook.case_names()) - untested - RUNTIME_CASES
 
 

@@ -106,7 +106,7 @@ def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once():
         from runbook.site.corpus.real import get
         program = get("nanodo-fsdp")
         out = {}
-        fixed = program.fixes["sharding-replicated"]
+        fixed = program.fixes["resharding"]
         for label, build in (("step", program.build), ("fixed", fixed)):
             fn, args = build("tiny", False)
             d = runbook.diagnose(fn, *args)
@@ -129,7 +129,7 @@ def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once():
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     step, fixed = found["step"], found["fixed"]
-    assert ["sharding-replicated", "values computed whole on every device"] in [
+    assert ["resharding", "values computed whole on every device"] in [
         f[:2] for f in step["findings"]
     ]
     assert "values computed whole on every device" not in [f[1] for f in fixed["findings"]]

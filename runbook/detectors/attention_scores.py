@@ -15,7 +15,7 @@ import re
 from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
-from . import sharding_replicated
+from . import resharding
 from ._common import at_peak, made_from, moved_input
 
 MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
@@ -102,7 +102,7 @@ def _claimed(program: Program) -> list[tuple[int, list[tuple[Value, Instruction]
     """For each length T whose scores the program makes: the T x T arrays, each value
     counted under one T only."""
     out = []
-    taken = sharding_replicated.whole(program)  # computed whole: splitting the batch first
+    taken = resharding.whole(program)  # computed whole: splitting the batch first
     for tokens, largest in sorted(_lengths(program).items(), reverse=True):
         if not _scored(program, tokens):
             continue

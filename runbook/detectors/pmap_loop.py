@@ -30,7 +30,8 @@ from .._hlo import Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from .prng_temporaries import _UNSIGNED, _makes_floats_from_bits
-from .sharding_replicated import replicated_state, whole
+from .resharding import whole
+from .sharding_replicated import replicated_state
 
 MIN_REPEATS = 4  # independent copies of one line's temporary, live at once
 MIN_SHARE = 0.10  # of the program's total, for either sign (smaller replicated inputs are

@@ -14,7 +14,7 @@ import math
 from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
-from . import sharding_replicated
+from . import resharding
 from ._common import PRODUCTS, made_from, moved_input
 
 MIN_SHARE = 0.05  # of the program's total, held at once by tokens x vocabulary arrays
@@ -97,7 +97,7 @@ def _claimed(program: Program) -> list[tuple[int, int, list[tuple[Value, Instruc
         if any(made_from(program, m, logits[key]) for m in maxima)
     }
     out = []
-    taken = sharding_replicated.whole(program)  # computed whole: splitting the batch first
+    taken = resharding.whole(program)  # computed whole: splitting the batch first
     for (vocab, elements), counts in sorted(softmax.items(), key=lambda s: -s[0][0] * s[0][1]):
         chosen = []
         for v in program.values:

@@ -22,7 +22,7 @@ Nothing constrains the activations: the partitioner sees a batch split on ``"dat
 an embedding whose model dimension is split on ``"data"`` too, and is free to keep the
 activations and logits of the whole global batch on every device. The fixes:
 
-- sharding-replicated: `jax.lax.with_sharding_constraint` of the activations (after the
+- resharding: `jax.lax.with_sharding_constraint` of the activations (after the
   embedding and each block) and of the logits to ``P("data")`` on the batch.
 - vocab-logits: the loss a slice of the vocabulary at a time
   (`runbook.cases.vocab_logits.loss_vocab_tiles`) instead of the full logits.
@@ -277,7 +277,7 @@ PROGRAM = register(
         libraries=("flax.linen", "optax", "jax.sharding"),
         build=_builder(),
         fixes={
-            "sharding-replicated": _builder(pin=True),
+            "resharding": _builder(pin=True),
             "vocab-logits": _builder(return_hidden=True),
             "attention-scores": _builder(blockwise=True),
             "scan-residuals": _builder(remat=True),
