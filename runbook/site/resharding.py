@@ -92,8 +92,10 @@ def claims(
             return Claim(key, CLAIMS[key], "not reproducible here", said(*names))
         return Claim(key, CLAIMS[key], verdict(holds(*chosen)), said(*names))
 
-    # jax-ml/jax#21562's reshard is compiled on this machine's CPU devices: decided here only
-    on_cpu = [reshard_claim()] if target is None and result.provenance.backend == "cpu" else []
+    # jax-ml/jax#21562's reshard is compiled on this machine's CPU devices, whose compile log
+    # is read here: decided on CPU only (every compiler's row keeps the claim, as a table has)
+    on_cpu = target is None and result.provenance.backend == "cpu"
+    warned = reshard_claim() if on_cpu else reshard_claim(None, decided=False)
     return [
         decide(
             "whole-batch",
@@ -110,7 +112,7 @@ def claims(
             ("constrain-every", "constrain-remat"),
             lambda every, remat: remat.total < every.total,
         ),
-        *on_cpu,
+        warned,
     ]
 
 
@@ -177,13 +179,20 @@ def reshard() -> dict[str, Any]:
     return found
 
 
-def reshard_claim(found: Mapping[str, Any] | None = None) -> Claim:
-    """jax-ml/jax#21562: the warning, and the whole array built on every device."""
+RESHARD_CLAIM = (
+    "A reshard the partitioner cannot do by moving shards warns of an 'involuntary full "
+    "rematerialization' and builds the whole array on every device (jax-ml/jax#21562)."
+)
+
+
+def reshard_claim(found: Mapping[str, Any] | None = None, *, decided: bool = True) -> Claim:
+    """jax-ml/jax#21562: the warning, and the whole array built on every device (not
+    `decided`: for a compile target, where this page reads no compile log)."""
+    text = RESHARD_CLAIM
+    if not decided:
+        why = "decided on this machine's CPU devices only, where the page reads XLA's log"
+        return Claim("reshard-21562", text, "not reproducible here", why)
     found = found if found is not None else reshard()
-    text = (
-        "A reshard the partitioner cannot do by moving shards warns of an 'involuntary full "
-        "rematerialization' and builds the whole array on every device (jax-ml/jax#21562)."
-    )
     evidence = (
         f"warning {'printed' if found['warned'] else 'not printed'}; temporaries "
         f"{fmt_bytes(found['temp'])} per device against {fmt_bytes(found['whole'])} whole "
