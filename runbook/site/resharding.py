@@ -4,12 +4,10 @@ each compiler, and the claims. The model, its step and the constraint that fixes
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import pathlib
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +21,7 @@ from .._case import CaseResult, measure_case
 from .._measure import MemoryReport
 from .._render import Table, fmt_bytes
 from ..cases.resharding import CASE
+from ..runs.constant_folding import _stderr_to  # descriptor 2, where XLA logs, to a file
 from ._accelerator import on_targets, variant_table, worst_point
 from ._claims import Claim, verdict
 
@@ -120,19 +119,6 @@ def claims(
 # mesh (P("y", None, "x")), their sum constrained to P(None, ("x", "y"), None).
 SIDE = 512  # a SIDE**3 float32 array: 512 MiB whole, 64 MiB a device when split 8 ways
 WARNING = "Involuntary full rematerialization"
-
-
-@contextlib.contextmanager
-def _stderr_to(path: str) -> Iterator[None]:
-    """File descriptor 2 into `path`: XLA's C++ logs bypass Python's `sys.stderr`."""
-    saved = os.dup(2)
-    with open(path, "w") as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def _reshard_json(side: int) -> dict[str, Any]:
