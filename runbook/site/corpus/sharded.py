@@ -166,3 +166,74 @@ def tensor_parallel_mlp() -> Built:
                    sharding=NamedSharding(mesh, spec)) for k, spec in split.items()}  # fmt: skip
     x = S((512, 1024), f32, sharding=NamedSharding(mesh, P()))
     return jax.jit(step, donate_argnums=0), (params, x)
+
+
+# --- resharding: values the partitioner computes whole on every device -------------------
+
+
+def _lm(vocab: int) -> dict[str, Any]:
+    return {"embed": S((vocab, 512), f32), "l0": S((512, 512), f32), "l1": S((512, 512), f32)}
+
+
+def _lm_loss(p: dict[str, jax.Array], tokens: jax.Array) -> jax.Array:
+    """A tied-embedding LM of two GELU layers: next-token cross-entropy."""
+    h = p["embed"][tokens[:, :-1]]
+    for k in ("l0", "l1"):
+        h = h + jax.nn.gelu(h @ p[k])
+    logp = jax.nn.log_softmax(h @ p["embed"].T)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def _columns(leaf: Any) -> Any:
+    """Split a matrix's columns (an embedding's model dimension) over ``data``."""
+    return P(None, "data")
+
+
+@program(
+    "resharding",
+    "vocab-logits",
+    source="the issue commissioning the resharding case (nanodo's FSDP step, jax 0.10.2)",
+    shape="an LM step with SGD: tokens split over 'data', every weight's model dimension "
+    "split over 'data' too, nothing pinning the activations",
+    devices=DEVICES,
+)
+def fsdp_lm_unpinned() -> Built:
+    mesh = _mesh()
+
+    def step(p: dict[str, jax.Array], tokens: jax.Array) -> Any:
+        return jax.tree.map(lambda w, g: w - 1e-2 * g, p, jax.grad(_lm_loss)(p, tokens))
+
+    tokens = S((64, 257), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    return jax.jit(step, donate_argnums=0), (_placed(_lm(2048), mesh, _columns), tokens)
+
+
+@program(
+    "resharding",
+    source="jax-ml/jax#16679 (an FSDP model evaluated with its batch split)",
+    shape="the same LM with a small vocabulary, its loss alone: an evaluation step",
+    devices=DEVICES,
+)
+def fsdp_lm_eval_unpinned() -> Built:
+    mesh = _mesh()
+    tokens = S((64, 257), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    return jax.jit(_lm_loss), (_placed(_lm(256), mesh, _columns), tokens)
+
+
+@program(
+    "resharding",
+    source="nanodo (its batch arrives whole, before the step constrains it)",
+    shape="an MLP step whose batch is passed whole (P()) to layers split by rows over 'data'",
+    devices=DEVICES,
+)
+def fsdp_mlp_whole_batch() -> Built:
+    mesh = _mesh()
+
+    def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return jnp.mean((jax.nn.gelu(x @ p["up"]) @ p["down"]) ** 2)
+
+    def step(p: dict[str, jax.Array], x: jax.Array) -> Any:
+        return jax.tree.map(lambda w, g: w - 1e-2 * g, p, jax.grad(loss)(p, x))
+
+    shapes = {"up": S((1024, 4096), f32), "down": S((4096, 1024), f32)}
+    x = S((2048, 1024), f32, sharding=NamedSharding(mesh, P()))
+    return jax.jit(step, donate_argnums=0), (_placed(shapes, mesh, _rows), x)
