@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -12,6 +15,7 @@ import pytest
 
 import runbook
 from runbook import _cache
+from runbook._subprocess import child_env
 from runbook.site._history import recorded_verdicts
 from runbook.site.producers import store
 
@@ -21,6 +25,25 @@ from runbook.site.producers import store
 # while it is older than the code). A test that times a measurement compiles here
 # (`measured_here`); RUNBOOK_STORE_DIR="" compiles everything here.
 os.environ.setdefault(_cache.STORE_VAR, str(store.tests_store(jax.__version__)))
+
+
+@pytest.fixture(scope="session")
+def child_json() -> Callable[[str, int], Any]:
+    """``child_json(script, devices)``: run `script` in a fresh Python with `devices` forced
+    host devices and return the JSON its last line of output prints."""
+
+    def run(script: str, devices: int) -> Any:
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            check=False,
+            env=child_env(devices),
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run
 
 
 @pytest.fixture(scope="session")

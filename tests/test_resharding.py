@@ -4,9 +4,6 @@ on a program written differently."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -15,7 +12,6 @@ import pytest
 
 import runbook
 from runbook import _targets
-from runbook._subprocess import child_env
 from runbook.cases import resharding as rs
 from runbook.cases.resharding import CASE
 from runbook.site import resharding as page
@@ -134,16 +130,8 @@ OTHERS = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def others():
-    proc = subprocess.run(
-        [sys.executable, "-c", OTHERS],
-        check=False,
-        env=child_env(8),
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def others(child_json):
+    return child_json(OTHERS, 8)
 
 
 def test_the_detector_names_activations_computed_whole_and_not_once_pinned(others):

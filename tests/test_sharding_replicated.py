@@ -3,9 +3,6 @@ same-result check (and that it can fail), the detector on programs written diffe
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -14,7 +11,6 @@ import pytest
 
 import runbook
 from runbook import _targets
-from runbook._subprocess import child_env
 from runbook.cases import sharding_replicated as sr
 from runbook.cases._setup import sharding_replicated as sr_setup
 from runbook.cases.sharding_replicated import CASE
@@ -184,16 +180,8 @@ OTHERS = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def others():
-    proc = subprocess.run(
-        [sys.executable, "-c", OTHERS],
-        check=False,
-        env=child_env(8),
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def others(child_json):
+    return child_json(OTHERS, 8)
 
 
 @pytest.mark.parametrize("name", ["sgd-1d-replicated", "sgd-2d-replicated", "adam-dp-replicated"])
