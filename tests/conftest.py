@@ -28,17 +28,18 @@ os.environ.setdefault(_cache.STORE_VAR, str(store.tests_store(jax.__version__)))
 
 
 @pytest.fixture(scope="session")
-def child_json() -> Callable[[str, int], Any]:
-    """``child_json(script, devices)``: run `script` in a fresh Python with `devices` forced
-    host devices and return the JSON its last line of output prints."""
+def child_json() -> Callable[..., Any]:
+    """``child_json(script, devices, timeout=None)``: run `script` in a fresh Python with
+    `devices` forced host devices and return the JSON its last line of output prints."""
 
-    def run(script: str, devices: int) -> Any:
+    def run(script: str, devices: int, timeout: float | None = None) -> Any:
         proc = subprocess.run(
             [sys.executable, "-c", script],
             check=False,
             env=child_env(devices),
             capture_output=True,
             text=True,
+            timeout=timeout,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])

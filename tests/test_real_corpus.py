@@ -8,14 +8,10 @@ measured, and their verdicts follow from their own figures.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from runbook._subprocess import child_env
 from runbook.site.corpus import real
 from runbook.site.producers import real_corpus
 
@@ -47,7 +43,7 @@ def test_each_fix_computes_the_same_result(name):
         assert difference <= real.get(name).tolerance, (name, case, difference)
 
 
-def test_each_fix_of_a_multi_device_program_computes_the_same_result():
+def test_each_fix_of_a_multi_device_program_computes_the_same_result(child_json):
     if not SEVERAL:
         pytest.skip("no multi-device program")
     child = textwrap.dedent(
@@ -57,16 +53,8 @@ def test_each_fix_of_a_multi_device_program_computes_the_same_result():
         print(json.dumps({{n: same_results(n) for n in {SEVERAL!r}}}))
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", child],
-        env=child_env(max(real.get(n).devices for n in SEVERAL)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    devices = max(real.get(n).devices for n in SEVERAL)
+    for name, found in child_json(child, devices, timeout=600).items():
         for case, difference in found.items():
             assert difference <= real.get(name).tolerance, (name, case, difference)
 
@@ -96,7 +84,7 @@ def test_the_committed_measurements_cover_every_program_and_follow_from_their_fi
     assert "authors' scale" in real_corpus.table(data).caption
 
 
-def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once():
+def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once(child_json):
     # The FSDP step computes its activations and logits for the whole batch on each device
     # (its fix, one constraint on them, saves most of its memory at the authors' scale):
     # named there, not once the fix is applied, and no buffer counted by two findings.
@@ -118,16 +106,7 @@ def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once():
         print(json.dumps(out))
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", child],
-        env=child_env(real.get("nanodo-fsdp").devices),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = child_json(child, real.get("nanodo-fsdp").devices, timeout=600)
     step, fixed = found["step"], found["fixed"]
     assert ["resharding", "values computed whole on every device"] in [
         f[:2] for f in step["findings"]
