@@ -45,7 +45,7 @@ def test_the_fix_divides_the_reproduction_and_stays_above_the_floor(seed):
 
 def test_the_floor_counts_each_device_s_share():
     scale = CASE.scales["seed"]
-    one, eight = (rs._setup.floor_bytes("unconstrained", scale, n) for n in (1, rs.DEVICES))
+    one, eight = (rs._setup.floor_bytes(scale, n) for n in (1, rs.DEVICES))
     assert one == rs.DEVICES * eight
 
 

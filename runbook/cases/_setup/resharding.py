@@ -77,8 +77,9 @@ def args(
     return make
 
 
-def floor_bytes(variant: str, scale: Mapping[str, Any], devices: int) -> int:
-    """Per device, what a step must hold at the least, with its share of the batch.
+def floor_bytes(scale: Mapping[str, Any], devices: int) -> int:
+    """Per device, what every variant's step must hold at the least, with its share of the
+    batch.
 
     Its share of the parameters (donated: the new ones may take their place) and of the
     tokens and labels; its share of the logits, once; and what the backward pass reads
@@ -98,7 +99,7 @@ def floor_bytes(variant: str, scale: Mapping[str, Any], devices: int) -> int:
 
 def floor(devices: int) -> Callable[[Variant, Mapping[str, Any], Mapping[str, Any]], int]:
     """The case's `Case.floor` on `devices` devices."""
-    return lambda variant, scale, params: floor_bytes(variant.name, scale, devices)
+    return lambda variant, scale, params: floor_bytes(scale, devices)
 
 
 def compare(result: Any) -> Any:
