@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -25,6 +27,28 @@ from runbook.site.producers import store
 # while it is older than the code). A test that times a measurement compiles here
 # (`measured_here`); RUNBOOK_STORE_DIR="" compiles everything here.
 os.environ.setdefault(_cache.STORE_VAR, str(store.tests_store(jax.__version__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One measurement cache for the whole run, made empty here and shared by the xdist
+    workers (they inherit this environment): a program several tests measure is compiled
+    once per run, never carried over from an earlier one. A RUNBOOK_CACHE_DIR already set
+    is used as it is; a test that times a measurement turns the cache off (`timed`)."""
+    if hasattr(config, "workerinput") or os.environ.get(_cache.ENV_VAR):
+        return
+    folder = tempfile.mkdtemp(prefix="runbook-tests-")
+    os.environ[_cache.ENV_VAR] = folder
+    config.stash[_RUN_CACHE] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_RUN_CACHE, None)
+    if folder is not None:
+        os.environ.pop(_cache.ENV_VAR, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_RUN_CACHE = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +79,24 @@ def measured_here() -> Callable[[str, str | None], tuple[Any, float]]:
     def measure(case: str, target: str | None) -> tuple[Any, float]:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(_cache.STORE_VAR, "")
+            mp.delenv(_cache.ENV_VAR, raising=False)
             start = time.perf_counter()
             result = runbook.measure_case(case, "seed", target=target)
+            return result, time.perf_counter() - start
+
+    return measure
+
+
+@pytest.fixture(scope="session")
+def timed() -> Callable[..., tuple[Any, float]]:
+    """``timed(case, **options)``: the case measured at seed scale with the run's cache
+    off (a compile for a target is still read from the store), and the seconds it took."""
+
+    def measure(case: str, **options: Any) -> tuple[Any, float]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(_cache.ENV_VAR, raising=False)
+            start = time.perf_counter()
+            result = runbook.measure_case(case, "seed", **options)
             return result, time.perf_counter() - start
 
     return measure

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +22,8 @@ PEAK = page.KEY_FIGURE
 
 
 @pytest.fixture(scope="module")
-def seed():
-    start = time.perf_counter()
-    result = runbook.measure_case("closure-constant", "seed")
-    return result, time.perf_counter() - start
+def seed(timed):
+    return timed("closure-constant")
 
 
 @pytest.fixture(scope="module")

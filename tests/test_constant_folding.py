@@ -23,10 +23,8 @@ HAS_OPTION = CASE.available(CASE.variant(page.OPTION))
 
 
 @pytest.fixture(scope="module")
-def seed():
-    start = time.perf_counter()
-    result = runbook.measure_case("constant-folding", "seed", buffers=True)
-    return result, time.perf_counter() - start
+def seed(timed):
+    return timed("constant-folding", buffers=True)
 
 
 @pytest.fixture(scope="module")

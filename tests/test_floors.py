@@ -6,21 +6,16 @@ compares is the floor the case gives for the compiler that built the program, th
 beside its figures. Cases added later are covered: the parameters come from
 `runbook.case_names()`.
 
-Measuring every case for three compilers takes minutes, so the results go through the
-runbook's content-addressed cache (`runbook._cache`): ``RUNBOOK_CACHE_DIR`` where set, else a
-folder in pytest's own cache. A key hashes the package's source, the case's module and the
-JAX release, so a changed floor, program or release measures afresh.
+Measuring every case for three compilers takes minutes: the results go through the run's
+measurement cache (tests/conftest.py), shared with the other tests that measure the same
+programs.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 
 import runbook
-from runbook import _cache
 from runbook._case import CaseResult
 
 TARGETS = (None, "h100", "v5e")
@@ -34,14 +29,6 @@ def _points() -> list[tuple[str, str | None, str]]:
         for target in TARGETS
         for variant in runbook.get_case(name).variants
     ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache_dir(request: pytest.FixtureRequest) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        if not os.environ.get(_cache.ENV_VAR):
-            mp.setenv(_cache.ENV_VAR, str(request.config.cache.mkdir("runbook-floors")))
-        yield
 
 
 def _result(name: str, target: str | None) -> CaseResult:

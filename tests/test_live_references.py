@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import time
 
 import jax
 import pytest
@@ -26,10 +25,8 @@ STEPS = SEED["steps"]
 
 
 @pytest.fixture(scope="module")
-def seed():
-    start = time.perf_counter()
-    result = runbook.measure_case("live-references", "seed")
-    return result, time.perf_counter() - start
+def seed(timed):
+    return timed("live-references")
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import runbook
@@ -12,10 +10,8 @@ from runbook.site import pmap_loop as page
 
 
 @pytest.fixture(scope="module")
-def seed():
-    start = time.perf_counter()
-    result = runbook.measure_case("pmap-loop", "seed")
-    return result, time.perf_counter() - start
+def seed(timed):
+    return timed("pmap-loop")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import resource
-import time
 
 import jax
 import numpy as np
@@ -33,10 +32,10 @@ def _cpu_seconds() -> float:
 
 
 @pytest.fixture(scope="module")
-def seed():
-    start, cpu = time.perf_counter(), _cpu_seconds()
-    result = runbook.measure_case("recompilation", "seed")
-    return result, time.perf_counter() - start, _cpu_seconds() - cpu
+def seed(timed):
+    cpu = _cpu_seconds()
+    result, seconds = timed("recompilation")
+    return result, seconds, _cpu_seconds() - cpu
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import jax
 import pytest
@@ -19,10 +18,8 @@ from runbook.site import scan_residuals as page
 
 
 @pytest.fixture(scope="module")
-def seed():
-    start = time.perf_counter()
-    result = runbook.measure_case("scan-residuals", "seed")
-    return result, time.perf_counter() - start
+def seed(timed):
+    return timed("scan-residuals")
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@ the detector on programs written differently."""
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,11 +27,9 @@ def _need(target):
 
 
 @pytest.fixture(scope="module", params=TARGETS, ids=lambda t: t or "cpu")
-def seed(request):
+def seed(request, timed):
     _need(request.param)
-    start = time.perf_counter()
-    result = runbook.measure_case("tpu-padding", "seed", target=request.param, buffers=True)
-    return result, time.perf_counter() - start
+    return timed("tpu-padding", target=request.param, buffers=True)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,8 @@ from runbook.site._history import load_versions
 
 
 @pytest.fixture(scope="module")
-def seed():
-    start = time.perf_counter()
-    result = runbook.measure_case("vocab-logits", "seed")
-    return result, time.perf_counter() - start
+def seed(timed):
+    return timed("vocab-logits")
 
 
 @pytest.fixture(scope="module")
