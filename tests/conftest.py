@@ -53,14 +53,17 @@ _RUN_CACHE = pytest.StashKey[str]()
 
 @pytest.fixture(scope="session")
 def child_json() -> Callable[..., Any]:
-    """``child_json(script, devices, timeout=None)``: run `script` in a fresh Python with
-    `devices` forced host devices and return the JSON its last line of output prints."""
+    """``child_json(script, devices, timeout=None, xla_flags="")``: run `script` in a fresh
+    Python with `devices` forced host devices (and `xla_flags` added to XLA's) and return
+    the JSON its last line of output prints."""
 
-    def run(script: str, devices: int, timeout: float | None = None) -> Any:
+    def run(script: str, devices: int, timeout: float | None = None, xla_flags: str = "") -> Any:
+        env = child_env(devices)
+        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {xla_flags}".strip()
         proc = subprocess.run(
             [sys.executable, "-c", script],
             check=False,
-            env=child_env(devices),
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -37,10 +37,11 @@ CACHE = Path(os.environ.get("RUNBOOK_CACHE_DIR") or ROOT / "docs" / "_build" / "
 USED = "used.tsv"  # runbook._cache.USED: each compile for a target the build used, and whence
 # glibc's malloc keeps much of what a process frees: an arena per thread (XLA runs many), and
 # once a large block has been freed it serves later large blocks from the heap, which is
-# seldom handed back. With these, large blocks are mapped and unmapped as they come and go:
-# the build holds what its processes use, no longer what they once used (its peak, every
-# process summed, is what Read the Docs limits; `nox -s rtd` measures it). A CPU run-time
-# peak measured inside the build (its resident set) is measured under the same rule.
+# seldom handed back. With these, blocks of 128 KiB or more are mapped and unmapped as they
+# come and go: the build holds what its processes use, not what they once used. Its peak,
+# every process summed, is what Read the Docs limits (`nox -s rtd` measures it). The
+# children that measure a CPU run-time peak inherit this rule (outside a build,
+# `runbook._subprocess.child_env` sets a 1 MiB threshold for them).
 MALLOC = {
     "MALLOC_ARENA_MAX": "2",
     "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
