@@ -75,22 +75,6 @@ def child_json() -> Callable[..., Any]:
 
 
 @pytest.fixture(scope="session")
-def measured_here() -> Callable[[str, str | None], tuple[Any, float]]:
-    """``measured_here(case, target)``: the case measured at seed scale, compiled on this
-    machine and not read from a store, and the seconds that took (what a reader waits)."""
-
-    def measure(case: str, target: str | None) -> tuple[Any, float]:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(_cache.STORE_VAR, "")
-            mp.delenv(_cache.ENV_VAR, raising=False)
-            start = time.perf_counter()
-            result = runbook.measure_case(case, "seed", target=target)
-            return result, time.perf_counter() - start
-
-    return measure
-
-
-@pytest.fixture(scope="session")
 def timed() -> Callable[..., tuple[Any, float]]:
     """``timed(case, **options)``: the case measured at seed scale with the run's cache
     off (a compile for a target is still read from the store), and the seconds it took."""
@@ -101,6 +85,21 @@ def timed() -> Callable[..., tuple[Any, float]]:
             start = time.perf_counter()
             result = runbook.measure_case(case, "seed", **options)
             return result, time.perf_counter() - start
+
+    return measure
+
+
+@pytest.fixture(scope="session")
+def measured_here(
+    timed: Callable[..., tuple[Any, float]],
+) -> Callable[[str, str | None], tuple[Any, float]]:
+    """``measured_here(case, target)``: the case measured at seed scale, compiled on this
+    machine, read from neither a store nor the run's cache, and the seconds that took."""
+
+    def measure(case: str, target: str | None) -> tuple[Any, float]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(_cache.STORE_VAR, "")
+            return timed(case, target=target)
 
     return measure
 
