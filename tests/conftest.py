@@ -29,6 +29,10 @@ from runbook.site.producers import store
 os.environ.setdefault(_cache.STORE_VAR, str(store.tests_store(jax.__version__)))
 
 
+# The folder `pytest_configure` made for this run, where it made one.
+_RUN_CACHE = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """One measurement cache for the whole run, made empty here and shared by the xdist
     workers (they inherit this environment): a program several tests measure is compiled
@@ -46,9 +50,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if folder is not None:
         os.environ.pop(_cache.ENV_VAR, None)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-_RUN_CACHE = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")
