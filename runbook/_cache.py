@@ -4,8 +4,11 @@ Off unless ``RUNBOOK_CACHE_DIR`` names a folder (``nox -s docs`` sets it). An en
 hashes everything its figures depend on: the source of the measurement core and of the
 case's own module, the JAX, jaxlib and compiler-plugin versions, the XLA/JAX environment,
 and the request itself (case, scale, variant, grid point, target, options). Edit a case
-module and only that case's entries miss; edit the core and every entry misses. Nothing is
-ever invalidated in place: a changed input is a different key.
+module and only that case's entries miss; edit the core and every entry misses. The
+detectors (``runbook/detectors``) read compiled programs and never change one: they are
+keyed into every entry made on this machine, and into a compile for a target only through
+the case whose detector it is, so that a new or changed detector re-makes no stored compile.
+Nothing is ever invalidated in place: a changed input is a different key.
 
 A program compiled for a GPU or TPU target without its device (`compile_only`) measures the
 same on every machine, so its entries are keyed without the machine, and a second, read-only
@@ -71,11 +74,12 @@ def _hash_files(paths: list[pathlib.Path]) -> str:
 
 
 def _per_case(path: pathlib.Path) -> bool:
-    """A case module, a page's own module (``runbook/site/<case>.py``, the watch page's) or
-    a corpus program: each is hashed with the entries it measures, not into the core. The
-    site's shared renderers (``runbook/site/_*.py``) and its producers are core."""
+    """A case module, a page's own module (``runbook/site/<case>.py``, the watch page's), a
+    corpus program or a detector: each is hashed with the entries it measures (a detector:
+    `detectors_hash`), not into the core. The site's shared renderers
+    (``runbook/site/_*.py``) and its producers are core."""
     parts = path.relative_to(PACKAGE).parts
-    if parts[0] == "cases":
+    if parts[0] in ("cases", "detectors"):
         return True
     if parts[0] != "site" or len(parts) < 2:
         return False
@@ -95,19 +99,28 @@ def core_hash() -> str:
 
 
 @functools.cache
+def detectors_hash() -> str:
+    """The detectors of `runbook.diagnose` (``runbook/detectors``): what a diagnosis reads a
+    compiled program with. Keyed into every entry made on this machine (`_payload`)."""
+    return _hash_files(sorted((PACKAGE / "detectors").rglob("*.py")))
+
+
+@functools.cache
 def module_hash(module: str) -> str:
     """A case module's source (``runbook.cases.gather_grad``); for a case's page module
     (``runbook.site.gather_grad``) or real run (``runbook.runs.recompilation``), its source
     and its case's, which it measures (a site module that is no case's page: its own
-    source); a case's measurement setup (``runbook/cases/_setup/<case>.py``) counts with it."""
+    source); a case's measurement setup (``runbook/cases/_setup/<case>.py``) and its detector
+    (``runbook/detectors/<case>.py``, which its page may call) count with it."""
     relative = module.split(".", 1)[1].replace(".", "/") + ".py"
     paths = [PACKAGE / relative]
     case = PACKAGE / "cases" / relative.split("/")[-1]
     if relative.startswith(("site/", "runs/")) and case.exists():
         paths.append(case)
     setup = PACKAGE / "cases" / "_setup" / case.name  # the case's inputs and floor, if apart
-    if case in paths and setup.exists():
-        paths.append(setup)
+    detector = PACKAGE / "detectors" / case.name
+    if case in paths:
+        paths += [p for p in (setup, detector) if p.exists()]
     return _hash_files(paths)
 
 
@@ -151,6 +164,9 @@ def _payload(request: Mapping[str, Any], module: str | None) -> dict[str, Any]:
     return {
         "request": request,
         "machine": None if compile_only(request) else _machine(),
+        # A diagnosis is only ever made and cached on this machine: a compile for a target
+        # holds a compiled program's figures, which no detector changes.
+        "detectors": None if compile_only(request) else detectors_hash(),
         "module": module_hash(module) if module else None,
         "versions": _versions(),
         "env": env,

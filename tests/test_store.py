@@ -151,6 +151,26 @@ def test_a_compile_for_a_target_is_keyed_without_the_machine(monkeypatch):
     assert _cache.key(here) != before[1]
 
 
+def test_a_detector_is_keyed_into_diagnoses_made_here_never_into_a_compile_for_a_target(
+    monkeypatch,
+):
+    # A detector reads compiled programs: changing one must re-make a diagnosis cached here,
+    # and no stored compile, except through the case whose detector it is (its page may call
+    # it while measuring).
+    assert not any(p.parts[-2] == "detectors" for p in _cache.PACKAGE.rglob("*.py")
+                   if not _cache._per_case(p))  # fmt: skip
+    target, here = {"kind": "t", "target": "v5e"}, {"kind": "t", "target": None}
+    before = _cache.key(target), _cache.key(here), _cache.module_hash("runbook.site.donation")
+    _cache.module_hash.cache_clear()
+    monkeypatch.setattr(_cache, "detectors_hash", lambda: "another detector")
+    monkeypatch.setattr(_cache, "_hash_files", lambda paths: repr(sorted(p.name for p in paths)))
+    assert _cache.key(target) == before[0]
+    assert _cache.key(here) != before[1]
+    donation = _cache.module_hash("runbook.site.donation")
+    assert donation == repr(sorted(["donation.py"] * 3))  # page, case and detector
+    _cache.module_hash.cache_clear()
+
+
 def test_a_program_hashes_alike_wherever_its_sources_lie():
     from runbook._measure import _CHECKOUT, portable
 

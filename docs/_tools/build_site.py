@@ -40,8 +40,8 @@ USED = "used.tsv"  # runbook._cache.USED: each compile for a target the build us
 # seldom handed back. With these, blocks of 128 KiB or more are mapped and unmapped as they
 # come and go: the build holds what its processes use, not what they once used. Its peak,
 # every process summed, is what Read the Docs limits (`nox -s rtd` measures it). The
-# children that measure a CPU run-time peak inherit this rule (outside a build,
-# `runbook._subprocess.child_env` sets a 1 MiB threshold for them).
+# children that measure a CPU run-time peak set their own 1 MiB threshold, in a build or
+# not (`runbook._subprocess.child_env`).
 MALLOC = {
     "MALLOC_ARENA_MAX": "2",
     "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
