@@ -448,6 +448,8 @@ def run_variant(case: Case, variant: Variant, scale: str, params: Params) -> Any
     compiled = compile_fn(  # a donation warning is the measurement's caveat, not news here
         variant.program(params), *abstract, compiler_options=case.options(), unusable=[]
     )
+    if variant.run is not None:  # a program called several times per result
+        return jax.tree_util.tree_map(np.asarray, variant.run(compiled, size, params))
     args = case.inputs(variant, size, params, True)
     return jax.tree_util.tree_map(np.asarray, compiled(*args))
 

@@ -35,6 +35,11 @@ class Variant:
     # machine, in a sentence; None: it can. For programs only some compilers can build
     # (cuDNN's kernels): measured elsewhere as "not applicable", with the reason.
     unavailable: Callable[[str], str | None] | None = None
+    # How the same-result check gets this variant's result from its compiled program, for a
+    # program a user calls several times per result (a step taken once per micro-batch):
+    # ``run(compiled, scale, params)`` makes its own real inputs and returns the result.
+    # None: one call on the variant's inputs.
+    run: Callable[[Callable[..., Any], Mapping[str, Any], Params], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
