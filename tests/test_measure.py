@@ -276,3 +276,22 @@ def test_a_case_result_read_back_keeps_each_report_s_caveats():
     back = CaseResult.from_json(json.loads(json.dumps(marked.to_json())))
     assert [r.caveats for r in back.reports] == [r.caveats for r in marked.reports]
     assert [r.total for r in back.reports] == [r.total for r in marked.reports]
+
+
+def test_a_variant_called_several_times_per_result_is_run_its_own_way():
+    # `Variant.run`: the same-result check takes the result from the calls a user makes (a
+    # step once per micro-batch), not from one call on the variant's inputs.
+    from runbook._case import run_variant
+    from runbook._case_types import Case, Variant
+
+    def inputs(scale, params, concrete):
+        return (jnp.ones(4) if concrete else jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    def twice(step, scale, params):
+        return step(step(jnp.ones(4)))
+
+    double = lambda p: jax.jit(lambda x: 2 * x)
+    once, run = Variant("once", "fix", "", double), Variant("run", "fix", "", double, run=twice)
+    case = Case("t", "t", "t", 1, {"s": {}}, (once, run), inputs, lambda s: [{}])
+    assert run_variant(case, once, "s", {}).tolist() == [2.0] * 4
+    assert run_variant(case, run, "s", {}).tolist() == [4.0] * 4
