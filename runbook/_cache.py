@@ -88,21 +88,31 @@ def _per_case(path: pathlib.Path) -> bool:
 
 # The store's own producer runs after a build, never inside one: editing it changes no figure.
 _STORE_PRODUCER = PACKAGE / "site" / "producers" / "store.py"
+# What runs programs for real on this machine (real peaks, the host's memory, their turns):
+# no compile for a target executes it, so the stores do not depend on it (`run_hash`).
+_RUN_ONLY = (PACKAGE / "_runtime.py", PACKAGE / "_host.py")
 
 
 @functools.cache
 def core_hash() -> str:
-    """The measurement core: every module of the package but the cases and their pages."""
-    return _hash_files(
-        [p for p in PACKAGE.rglob("*.py") if not _per_case(p) and p != _STORE_PRODUCER]
-    )
+    """The measurement core: every module of the package but the cases and their pages, the
+    detectors (`detectors_hash`) and the real runs' own modules (`run_hash`)."""
+    left_out = (_STORE_PRODUCER, *_RUN_ONLY)
+    return _hash_files([p for p in PACKAGE.rglob("*.py") if not _per_case(p) and p not in left_out])
+
+
+@functools.cache
+def run_hash() -> str:
+    """The modules that run programs for real here: keyed into every entry made on this
+    machine (`key`), never into a compile for a target."""
+    return _hash_files(list(_RUN_ONLY))
 
 
 @functools.cache
 def detectors_hash() -> str:
     """The detectors of `runbook.diagnose` (``runbook/detectors``): what a diagnosis reads a
     compiled program with. Keyed into every entry made on this machine (`_payload`)."""
-    return _hash_files(sorted((PACKAGE / "detectors").rglob("*.py")))
+    return _hash_files(list((PACKAGE / "detectors").rglob("*.py")))
 
 
 @functools.cache
@@ -179,7 +189,8 @@ def _digest(payload: Mapping[str, Any]) -> str:
 
 def key(request: Mapping[str, Any], *, module: str | None = None) -> str:
     """The key of `request` (JSON-able), with the sources and environment it depends on."""
-    return _digest({**_payload(request, module), "core": core_hash()})
+    run = None if compile_only(request) else run_hash()
+    return _digest({**_payload(request, module), "core": core_hash(), "run": run})
 
 
 def store_key(request: Mapping[str, Any], *, module: str | None = None) -> str:

@@ -404,6 +404,10 @@ def program_hash(lowered: Any) -> str:
 _CHECKOUT = str(_cache.PACKAGE.parent) + "/"
 _LIBRARY = re.compile(r'"/[^"]*?/(lib/python3\.\d+/)')
 _CELLS = re.compile(r'"/[^"]*?/ipykernel_\d+/')
+# A location alias's definition; a call site of one alias at another (callee first); a use.
+_ALIAS = re.compile(r"^(#loc\d*) = loc\((.*)\)$")
+_CALLSITE = re.compile(r"callsite\((#loc\d*) at #loc\d*\)")
+_REFERENCE = re.compile(r"#loc\d*\b")
 # The line and column of a frame in Python's standard library or in the notebook kernel that
 # runs a page's cells: the call stack under a cell's code, which differs by Python and
 # kernel release and is never the program's.
@@ -415,13 +419,43 @@ _CALLER = re.compile(
 
 
 def portable(text: str) -> str:
-    """`text` with its absolute source paths made relative, to Python's library, to this
-    checkout or to a notebook kernel's cells, and without the line numbers of the kernel's
-    own frames: the same program hashes alike in every process on every machine, so that a
+    """`text` with each operation's location cut to its innermost frame, and absolute source
+    paths made relative, to Python's library, to this checkout or to a notebook kernel's
+    cells: the same program hashes alike in every process on every machine, so that a
     program compiled for a target is measured once for all of them (`runbook._cache`'s
-    store)."""
+    store).
+
+    The frames that called the traced code (a page's cell, the kernel under it, whichever
+    function of the package traced the program first) differ between builds and never
+    change the compiled program; the innermost frame is the line that made each operation.
+    """
+    text = _innermost(text)
     text = _LIBRARY.sub(r'"\1', text).replace('"' + _CHECKOUT, '"')
     return _CALLER.sub(r"\1", _CELLS.sub('"ipykernel/', text))
+
+
+def _innermost(text: str) -> str:
+    """Lowered text with its location aliases (``#loc12 = loc(...)``) resolved and inlined,
+    every call site cut to its callee: what is left does not depend on the callers."""
+    aliases: dict[str, str] = {}
+    body = []
+    for line in text.splitlines():
+        found = _ALIAS.match(line)
+        if found:
+            aliases[found[1]] = _CALLSITE.sub(r"\1", found[2])
+        else:
+            body.append(line)
+    resolved: dict[str, str] = {}
+
+    def resolve(name: str) -> str:
+        if name not in resolved:
+            resolved[name] = name  # a cycle, never printed by MLIR, stays a name
+            definition = aliases.get(name)
+            if definition is not None:
+                resolved[name] = _REFERENCE.sub(lambda m: resolve(m[0]), definition)
+        return resolved[name]
+
+    return "\n".join(_REFERENCE.sub(lambda m: resolve(m[0]), line) for line in body)
 
 
 def _measure_lowered(

@@ -11,14 +11,13 @@ all simulated devices together, so we divide by the device count for a per-devic
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from . import _cache, _subprocess
 from ._errors import WontFitError
-from ._host import available_bytes, settle, status
+from ._host import available_bytes, one_real_run_at_a_time, settle, status
 
 # Prediction and measurement agree when within this fraction plus this slack per device.
 REL_TOLERANCE = 0.10
@@ -176,19 +175,14 @@ def runtime_peak(
         "params": params, "options": None if compiler_options is None else dict(compiler_options),
         "repeats": repeats,
     }  # fmt: skip
-    data = _cache.cached(
-        request,
-        functools.partial(
-            _subprocess.call,
-            "runbook._runtime:_peak_json",
-            devices=c.devices,
-            name=case,
-            variant=variant,
-            scale=scale,
-            params=params,
-            options=request["options"],
-            repeats=repeats,
-        ),
-        module=_CASES[case],
-    )
+
+    def run() -> dict[str, Any]:
+        with one_real_run_at_a_time():
+            reply: dict[str, Any] = _subprocess.call(
+                "runbook._runtime:_peak_json", devices=c.devices, name=case, variant=variant,
+                scale=scale, params=params, options=request["options"], repeats=repeats,
+            )  # fmt: skip
+            return reply
+
+    data = _cache.cached(request, run, module=_CASES[case])
     return RuntimePeak(**data)

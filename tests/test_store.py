@@ -171,6 +171,23 @@ def test_a_detector_is_keyed_into_diagnoses_made_here_never_into_a_compile_for_a
     _cache.module_hash.cache_clear()
 
 
+def test_the_code_of_real_runs_is_keyed_into_entries_made_here_never_into_a_compile_for_a_target(
+    monkeypatch,
+):
+    # A real run's code (its peak, the host's memory, the turns runs take) changes what a
+    # run measures here, never what a compiler made of a program for a target.
+    monkeypatch.setattr(_cache, "_hash_files", lambda paths: repr(sorted(p.name for p in paths)))
+    core = _cache.core_hash.__wrapped__()
+    assert "_measure.py" in core
+    assert "_runtime.py" not in core
+    assert "_host.py" not in core
+    target, here = {"kind": "t", "target": "v5e"}, {"kind": "t", "target": None}
+    before = _cache.key(target), _cache.key(here)
+    monkeypatch.setattr(_cache, "run_hash", lambda: "another real run")
+    assert _cache.key(target) == before[0]
+    assert _cache.key(here) != before[1]
+
+
 def test_a_program_hashes_alike_wherever_its_sources_lie():
     from runbook._measure import _CHECKOUT, portable
 
@@ -211,3 +228,28 @@ def test_the_suites_producer_writes_down_the_compiles_for_targets_the_package_as
     assert {line["request"]["target"] for line in lines} == {"h100"}
     for line in lines:
         assert line["store_key"] == _cache.store_key(line["request"], module=line["module"])
+
+
+def test_a_program_hashes_alike_whichever_frames_called_the_code_that_traced_it():
+    # A page's program is traced under a cell, a kernel and whichever function of the
+    # package measured it first: none of those frames may reach its hash.
+    import jax
+    import jax.numpy as jnp
+
+    from runbook._measure import program_hash
+
+    def step(x):
+        return (jnp.sin(x) * 2).sum()
+
+    def lowered():
+        return jax.jit(jax.grad(step)).lower(jnp.ones(3))
+
+    def deeper():
+        return lowered()
+
+    near, far = lowered(), deeper()
+    assert near.as_text(debug_info=True) != far.as_text(debug_info=True)
+    assert program_hash(near) == program_hash(far)
+    # The line that made each operation still counts.
+    other = jax.jit(jax.grad(lambda x: (jnp.sin(x) * 2).sum())).lower(jnp.ones(3))
+    assert program_hash(other) != program_hash(near)
