@@ -45,11 +45,12 @@ def available_bytes() -> int:
 
 @contextlib.contextmanager
 def one_real_run_at_a_time() -> Iterator[None]:
-    """Inside, this machine runs no other real run of the package's (a lock file per user).
+    """Inside, no other process of this user on this machine is inside (a lock file).
 
-    A real run checks the memory available before it starts; pages built side by side, or
-    test workers, would otherwise each count on the same free memory, and their peaks add
-    up in the build's. The children a holder starts share its turn.
+    `runbook.runtime_peak` runs its program inside: a real run checks the memory available
+    before it starts, and pages built side by side, or test workers, would otherwise each
+    count on the same free memory, their peaks adding up in the build's. The children a
+    holder starts share its turn.
     """
     if os.environ.get(_TURN_VAR):
         yield
