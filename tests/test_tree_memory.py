@@ -38,6 +38,10 @@ def test_the_peak_counts_the_memory_a_grandchild_holds():
     assert set(peak.by_page) == {"cases/some-page"}
     assert HOLD <= peak.by_page["cases/some-page"] <= peak.pss
     assert "cases/some-page" in str(peak)
+    # And ran from the first sample that saw it to the last.
+    first, last = peak.spans["cases/some-page"]
+    assert 0 <= last - first < 30
+    assert "the longest pages ran, in seconds: cases/some-page" in str(peak)
 
 
 def test_a_process_that_has_gone_holds_nothing():

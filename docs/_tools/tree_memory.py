@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,15 +70,22 @@ def sample(root: int, pages: dict[str, int] | None = None) -> tuple[int, int, in
 
 class Peak:
     """The highest `sample` seen: summed PSS, with the RSS and largest process at that time;
-    and each page's most (`by_page`)."""
+    each page's most (`by_page`) and the first and last time its processes were seen
+    (`spans`, `time.monotonic()` seconds): how long its kernel ran."""
 
     def __init__(self) -> None:
         self.pss = self.rss = self.largest = 0
         self.samples = 0
         self.by_page: dict[str, int] = {}
+        self.spans: dict[str, tuple[float, float]] = {}
 
     def see(self, root: int) -> None:
-        pss, rss, largest = sample(root, self.by_page)
+        now: dict[str, int] = {}
+        pss, rss, largest = sample(root, now)
+        seen = time.monotonic()
+        for page, used in now.items():
+            self.by_page[page] = max(self.by_page.get(page, 0), used)
+            self.spans[page] = (self.spans.get(page, (seen, seen))[0], seen)
         self.samples += 1
         if pss > self.pss:
             self.pss, self.rss, self.largest = pss, rss, largest
@@ -86,10 +94,14 @@ class Peak:
         gib = 2**30
         top = sorted(self.by_page.items(), key=lambda kv: -kv[1])[:5]
         pages = ", ".join(f"{page} {used / gib:.2f}" for page, used in top)
+        spans = sorted(self.spans.items(), key=lambda kv: kv[1][0] - kv[1][1])[:5]
+        longest = ", ".join(f"{page} {last - first:.0f}" for page, (first, last) in spans)
         return (
             f"{self.pss / gib:.2f} GiB summed proportional set size ({self.rss / gib:.2f} GiB "
             f"summed resident set, {self.largest / gib:.2f} GiB in its largest process), "
-            f"{self.samples} samples" + (f"; the most pages held, in GiB: {pages}" if top else "")
+            f"{self.samples} samples"
+            + (f"; the most pages held, in GiB: {pages}" if top else "")
+            + (f"; the longest pages ran, in seconds: {longest}" if spans else "")
         )
 
 
