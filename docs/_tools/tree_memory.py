@@ -49,10 +49,9 @@ def page_of(pid: int) -> str | None:
 
 
 def sample(root: int, pages: dict[str, int] | None = None) -> tuple[int, int, int]:
-    """(summed PSS, summed RSS, the largest single PSS) of `root` and its descendants; the
-    PSS of each page's processes (summed) raises that page's entry in `pages` to its most."""
+    """(summed PSS, summed RSS, the largest single PSS) of `root` and its descendants; into
+    `pages`, the summed PSS of each page's processes in this sample."""
     children, todo, pss, rss, largest = _children(), [root], 0, 0, 0
-    now: dict[str, int] = {}
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
@@ -60,11 +59,8 @@ def sample(root: int, pages: dict[str, int] | None = None) -> tuple[int, int, in
         pss, rss = pss + found.get("Pss", 0), rss + found.get("Rss", 0)
         largest = max(largest, found.get("Pss", 0))
         page = page_of(pid) if pages is not None else None
-        if page:
-            now[page] = now.get(page, 0) + found.get("Pss", 0)
-    for page, used in now.items():
-        if pages is not None:
-            pages[page] = max(pages.get(page, 0), used)
+        if page and pages is not None:
+            pages[page] = pages.get(page, 0) + found.get("Pss", 0)
     return pss, rss, largest
 
 
