@@ -527,6 +527,8 @@ def test_every_finding_names_a_registered_case_with_its_link_and_code():
         (lambda k: jax.random.uniform(k, (4096, 4096)), (jax.eval_shape(jax.random.key, 0),)),
         (jax.jit(lambda b: (b.at[0].set(1.0), b.sum()), donate_argnums=0), (S((4096, 4096), f32),)),
         (jax.grad(attention_block), ATTENTION_BLOCK),
+        # a training step whose batch's activations outweigh its weights
+        (jax.jit(train_step, donate_argnums=(0, 1)), mlp_inputs((784, 1024, 1024, 10), 16384)),
     ]
     # A TPU's padding shows only in a TPU's program, offloading only where there is a host
     # memory apart from the device's: each compiled for its target, without the device.

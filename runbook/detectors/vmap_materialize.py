@@ -35,7 +35,7 @@ def rule() -> str:
 _VMAP = re.compile(r"(?:^|/)vmap\(")
 
 
-def _vmapped(program: Program) -> tuple[list[tuple[Value, Instruction]], int]:
+def vmapped(program: Program) -> tuple[list[tuple[Value, Instruction]], int]:
     """Temporaries of vmapped operations outside loops, and the most of them live at once."""
     chosen = []
     claimed = attention_scores.scores(program) | vocab_logits.logit_values(program)
@@ -52,7 +52,7 @@ def _vmapped(program: Program) -> tuple[list[tuple[Value, Instruction]], int]:
 
 def near_miss(program: Program) -> NearMiss | None:
     """Vmapped temporaries below the share this detector names."""
-    chosen, nbytes = _vmapped(program)
+    chosen, nbytes = program.shared(vmapped)
     if not chosen or nbytes >= MIN_SHARE * program.total:
         return None
     return NearMiss(
@@ -65,7 +65,7 @@ def near_miss(program: Program) -> NearMiss | None:
 
 
 def detect(program: Program) -> list[Finding]:
-    chosen, nbytes = _vmapped(program)
+    chosen, nbytes = program.shared(vmapped)
     if not chosen or nbytes < MIN_SHARE * program.total:
         return []
     evidence = [program.buffer(inst, v) for v, inst in chosen]

@@ -24,7 +24,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def entries() -> list[Entry]:
     """Every corpus program, single-device ones first."""
-    from . import offload, programs, sharded, tpu  # noqa: F401 - importing registers them
+    from . import accumulation, offload, programs, sharded, tpu  # noqa: F401 - registers them
 
     return sorted(REGISTRY, key=lambda e: e.devices > 1)
 

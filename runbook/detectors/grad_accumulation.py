@@ -1,0 +1,103 @@
+"""`grad-accumulation`: a training step that holds its whole batch's activations at once.
+
+A training step (a program with a backward pass that returns new state computed from its
+old state) reads, in its backward pass, what the forward pass computed from the batch. Those
+activations grow with the batch; split into `k` micro-batches whose gradients are summed
+before one update, a step holds one micro-batch's. Read from the dataflow: the temporaries
+outside loops that the backward pass reads and that are computed from an input that is not
+state (an array of two dimensions or more: the batch, not a PRNG key). Attention scores,
+logits, vmapped temporaries and values computed whole on every device are their own
+detectors': each value is named by one finding.
+"""
+
+from __future__ import annotations
+
+from .._hlo import Instruction, Value
+from .._program import Finding, NearMiss, Program, finding
+from .._render import fmt_bytes
+from . import attention_scores, resharding, vmap_materialize, vocab_logits
+from ._common import state_pairs
+
+MIN_SHARE = 0.40  # of the program's total, held at once by the batch's activations
+MAX_EVIDENCE = 6
+PATTERN = "the whole batch's activations held for the backward pass"
+CASE = "grad-accumulation"
+
+
+def rule() -> str:
+    """How this detector decides, with its thresholds."""
+    return (
+        "in a training step (a backward pass, and outputs that update inputs of their shape), "
+        "temporaries outside any loop that the backward pass reads and that are computed from "
+        "an input that is not state, of two dimensions or more (the batch), at least "
+        f"{MIN_SHARE:.0%} of the program's total live at once; attention scores, logits, "
+        "vmapped temporaries and values computed whole on every device are left to their cases"
+    )
+
+
+def activations(program: Program) -> tuple[list[tuple[Value, Instruction]], int]:
+    """The batch's activations that the backward pass reads, and the most live at once."""
+    if not program.has_backward:
+        return [], 0
+    state = {p.parameter.number for p in program.shared(state_pairs)}
+    if not state:
+        return [], 0  # a gradient, not a step: nothing to accumulate into
+    batch = {
+        p.number for p in program.parameters if p.number not in state and len(p.shape.dims) >= 2
+    }
+    claimed = (
+        attention_scores.scores(program)
+        | vocab_logits.logit_values(program)
+        | resharding.whole(program)
+        | {(v.instruction, v.index) for v, _ in program.shared(vmap_materialize.vmapped)[0]}
+    )
+    chosen = []
+    for v in program.values:
+        inst = program.module.get(v.instruction)
+        if v.kind != "temp" or inst is None or (v.instruction, v.index) in claimed:
+            continue
+        if program.in_loop(inst) or not program.read_by_backward(inst.name):
+            continue  # in a loop: one micro-batch's, or a scan's (scan-residuals')
+        if batch & program.entry_parameters_of(inst.name):
+            chosen.append((v, inst))
+    return chosen, program.peak(v for v, _ in chosen)
+
+
+def near_miss(program: Program) -> NearMiss | None:
+    """The batch's activations below the share this detector names."""
+    chosen, nbytes = program.shared(activations)
+    if not chosen or nbytes >= MIN_SHARE * program.total:
+        return None
+    return NearMiss(
+        CASE,
+        PATTERN,
+        nbytes,
+        f"{len(chosen)} activations of the batch that the backward pass reads hold "
+        f"{fmt_bytes(nbytes)} at once, {nbytes / (program.total or 1):.0%} of the total "
+        f"(named from {MIN_SHARE:.0%})",
+    )
+
+
+def detect(program: Program) -> list[Finding]:
+    chosen, nbytes = program.shared(activations)
+    if not chosen or nbytes < MIN_SHARE * program.total:
+        return []
+    evidence = [program.buffer(inst, v) for v, inst in chosen]
+    lines = sorted({program.describe(inst)[1] for _, inst in chosen} - {""})
+    return [
+        finding(
+            PATTERN,
+            CASE,
+            nbytes,
+            sorted(evidence, key=lambda b: -b.size)[:MAX_EVIDENCE],
+            "Split the batch into k micro-batches and sum their gradients before one update "
+            "(optax.MultiSteps, one micro-batch per call; or lax.scan over them inside the "
+            "step): a step holds about 1/k of these, plus an accumulator the size of the "
+            "parameters",
+            copy="runbook.cases.grad_accumulation.multisteps",
+            detail=f"{len(chosen)} activations computed from the batch and read by the "
+            f"backward pass, {fmt_bytes(nbytes)} live at once, "
+            f"{nbytes / (program.total or 1):.0%} of the total, made at "
+            f"{', '.join(lines[:3]) or 'lines XLA did not record'}.",
+        )
+    ]
