@@ -136,3 +136,33 @@ def test_a_small_batch_is_a_near_miss_with_its_share():
     assert near
     assert near[0].bytes > 0
     assert "named from 40%" in near[0].reason
+
+
+def _step_with_statistics(update_statistics):
+    """Three tanh layers and SGD; with `update_statistics`, also a running mean of the first
+    layer's activations over the batch (batch norm's), which the forward pass alone makes."""
+
+    def step(w, stats, x):
+        def loss(w):
+            h = jnp.tanh(x @ w)
+            return jnp.mean(jnp.tanh(jnp.tanh(h @ w) @ w) ** 2), jnp.mean(h, axis=0)
+
+        (value, mean), g = jax.value_and_grad(loss, has_aux=True)(w)
+        stats = 0.9 * stats + 0.1 * mean if update_statistics else stats * 0.9
+        return w - 0.1 * g, stats, value
+
+    return jax.jit(step), (S((1024, 1024), jnp.float32), S((1024,), jnp.float32),
+                           S((16384, 1024), jnp.float32))  # fmt: skip
+
+
+def test_a_step_that_updates_batch_statistics_is_a_near_miss_that_says_why():
+    # Micro-batches would each normalise over their own rows: accumulating computes another
+    # result. The same step whose other state is not computed from the batch is named.
+    fn, args = _step_with_statistics(update_statistics=False)
+    assert "grad-accumulation" in _cases(runbook.diagnose(fn, *args))
+    fn, args = _step_with_statistics(update_statistics=True)
+    d = runbook.diagnose(fn, *args)
+    assert "grad-accumulation" not in _cases(d)
+    near = [m for m in d.near_misses if m.case == "grad-accumulation"]
+    assert near, d.near_misses
+    assert "statistics of the batch" in near[0].reason

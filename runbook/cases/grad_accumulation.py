@@ -69,6 +69,31 @@ def multisteps(every: int) -> optax.GradientTransformation:
     return optax.MultiSteps(OPTIMIZER, every_k_schedule=every).gradient_transformation()
 
 
+def accumulate_gradients(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batch: Any,
+    micro_batches: int,
+    dtype: Any = jnp.float32,
+) -> tuple[jax.Array, Any]:
+    """Fix: the value and gradient of ``loss_fn(params, batch)``, a mean over the leading
+    axis of every array in `batch`, computed one of `micro_batches` equal parts at a time
+    under `lax.scan`. The parts' gradients are summed in an accumulator of `dtype` (float32,
+    or bfloat16 for half the bytes); their mean is the whole batch's gradient, while the
+    backward pass holds one part's activations at a time. Draw any random numbers for the
+    whole batch first, and pass them in `batch`, for the same result."""
+    parts = jax.tree.map(lambda a: a.reshape(micro_batches, -1, *a.shape[1:]), batch)
+
+    def add(acc: Any, part: Any) -> tuple[Any, jax.Array]:
+        value, grads = jax.value_and_grad(loss_fn)(params, part)
+        return jax.tree.map(lambda a, g: a + g.astype(dtype), acc, grads), value
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
+    summed, values = lax.scan(add, zeros, parts)
+    grads = jax.tree.map(lambda s, p: (s / micro_batches).astype(p.dtype), summed, params)
+    return jnp.mean(values), grads
+
+
 def accumulated_step(
     params: Params,
     opt_state: Any,
@@ -77,19 +102,10 @@ def accumulated_step(
     dtype: Any = jnp.float32,
 ) -> tuple[Params, Any, jax.Array]:
     """Fix: one update from the whole batch `x`, its gradient summed over `micro_batches`
-    equal parts under `lax.scan`, in an accumulator of `dtype` (float32, or bfloat16 for
-    half the bytes). The mean of the parts' gradients is the whole batch's gradient."""
-    parts = x.reshape(micro_batches, -1, *x.shape[1:])
-
-    def add(acc: Params, part: jax.Array) -> tuple[Params, jax.Array]:
-        value, grads = jax.value_and_grad(loss)(params, part)
-        return jax.tree.map(lambda a, g: a + g.astype(dtype), acc, grads), value
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
-    summed, values = lax.scan(add, zeros, parts)
-    grads = jax.tree.map(lambda s, p: (s / micro_batches).astype(p.dtype), summed, params)
+    equal parts under `lax.scan` (`accumulate_gradients`) in an accumulator of `dtype`."""
+    value, grads = accumulate_gradients(loss, params, x, micro_batches, dtype)
     updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, jnp.mean(values)
+    return optax.apply_updates(params, updates), opt_state, value
 
 
 def jit_step(step: Callable[..., Any]) -> Any:

@@ -28,6 +28,10 @@ The fixes:
   big_vision applies it with ``scan=True`` (`nn.scan` over stacked blocks); we keep the
   Python loop and its parameter layout so that the results compare leaf by leaf.
 
+- grad-accumulation: mixup over the whole batch, as the step does it, then the gradient
+  summed over micro-batches of the mixed images
+  (`runbook.cases.grad_accumulation.accumulate_gradients`) before one update.
+
 No donation fix: big_vision's jit already donates the train state.
 """
 
@@ -42,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from runbook.cases.grad_accumulation import accumulate_gradients
 
 from ._program import Builder, Built, RealProgram, register
 
@@ -58,6 +64,7 @@ SCALES: dict[str, dict[str, int]] = {
 }  # fmt: skip
 WARMUP = 10_000
 MIXUP_P = 0.5
+ACCUMULATE = 8  # micro-batches in the grad-accumulation fix (64 images each at 512)
 
 
 def attention_heads_checkpointed(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
@@ -194,7 +201,9 @@ def _count(opt_state: Any) -> jax.Array:
     return count
 
 
-def _update_fn(model: ViT, tx: optax.GradientTransformation) -> Callable[..., Any]:
+def _update_fn(
+    model: ViT, tx: optax.GradientTransformation, micro_batches: int = 1
+) -> Callable[..., Any]:
     def update_fn(train_state: Any, rng: jax.Array, batch: Any) -> tuple[Any, jax.Array]:
         images, labels = batch["image"], batch["labels"]
         rng = jax.random.fold_in(rng, _count(train_state["opt"]))
@@ -203,19 +212,23 @@ def _update_fn(model: ViT, tx: optax.GradientTransformation) -> Callable[..., An
         a = jnp.maximum(a, 1.0 - a)
         images, labels = (a * t + (1 - a) * jnp.roll(t, 1, axis=0) for t in (images, labels))
 
-        def loss_fn(params: Any) -> jax.Array:
+        def loss_fn(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+            images, labels = batch
             logits = cast(jax.Array, model.apply({"params": params}, images))
             return jnp.mean(-jnp.sum(labels * jax.nn.log_softmax(logits), axis=-1))
 
         params, opt = train_state["params"], train_state["opt"]
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        if micro_batches > 1:
+            loss, grads = accumulate_gradients(loss_fn, params, (images, labels), micro_batches)
+        else:
+            loss, grads = jax.value_and_grad(loss_fn)(params, (images, labels))
         updates, opt = tx.update(grads, opt, params)
         return {"params": optax.apply_updates(params, updates), "opt": opt}, loss
 
     return update_fn
 
 
-def _builder(remat: bool = False, attention: bool = False) -> Builder:
+def _builder(remat: bool = False, attention: bool = False, accumulate: bool = False) -> Builder:
     def build(scale: str, concrete: bool) -> Built:
         s = SCALES[scale]
         model = ViT(
@@ -227,7 +240,8 @@ def _builder(remat: bool = False, attention: bool = False) -> Builder:
         rng = jax.random.PRNGKey(0)
         params = jax.eval_shape(lambda r, x: model.init(r, x)["params"], rng, image)
         tx = _optimizer(params, s["steps"])
-        step = jax.jit(_update_fn(model, tx), donate_argnums=(0,))
+        micro_batches = min(ACCUMULATE, s["batch"]) if accumulate else 1
+        step = jax.jit(_update_fn(model, tx, micro_batches), donate_argnums=(0,))
         if not concrete:
             opt = jax.eval_shape(tx.init, params)
             rng_s = jax.ShapeDtypeStruct(rng.shape, rng.dtype)
@@ -258,6 +272,7 @@ PROGRAM = register(
         fixes={
             "attention-scores": _builder(attention=True),
             "scan-residuals": _builder(remat=True),
+            "grad-accumulation": _builder(accumulate=True),
         },
         tolerance=1e-4,
         notes="input pipeline and logged norms left out; 512 images = 4096 over 8 devices",

@@ -16,6 +16,11 @@ Kept: the modules, shapes, loss and the step's signature (model, weight, int_bet
 t1, key, optimizer state, optimizer update), with the two lambdas as the example passes
 them. Changed: the MNIST loader is left out (data are abstract); einops' rearranges are
 written with `jnp` transposes; our own code throughout.
+
+The fixes: vmap-materialize (the examples a group at a time under a checkpointed
+`lax.map`), donation (``donate="all"``), and grad-accumulation (the batch's times and keys
+drawn whole, then `runbook.cases.grad_accumulation.accumulate_gradients` over
+micro-batches of the examples).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import optax
+
+from runbook.cases.grad_accumulation import accumulate_gradients
 
 from ._program import Built, RealProgram, register
 
@@ -44,6 +51,7 @@ SIZES = {
 }  # fmt: skip
 T1 = 10.0
 MAP_BATCH = 32  # examples per lax.map step in the vmap-materialize fix
+ACCUMULATE = 8  # micro-batches in the grad-accumulation fix (32 examples each at batch 256)
 
 
 class MixerBlock(eqx.Module):
@@ -160,6 +168,34 @@ def make_step(
     return value, model, jr.split(key, 1)[0], opt_state
 
 
+def make_step_accumulated(
+    model: Mixer2d,
+    weight: Any,
+    int_beta: Any,
+    data: jax.Array,
+    t1: float,
+    key: jax.Array,
+    opt_state: Any,
+    opt_update: Any,
+) -> tuple[jax.Array, Mixer2d, jax.Array, Any]:
+    """The grad-accumulation fix: the batch's times and keys drawn whole, as `make_step`
+    draws them, then the gradient summed over `ACCUMULATE` micro-batches of the examples."""
+    t, keys = _times_and_keys(data.shape[0], t1, key)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss(params: Any, part: tuple[jax.Array, ...]) -> jax.Array:
+        per_example = functools.partial(
+            single_loss_fn, eqx.combine(params, static), weight, int_beta
+        )
+        return jnp.mean(jax.vmap(per_example)(*part))
+
+    micro_batches = min(ACCUMULATE, data.shape[0])
+    value, grads = accumulate_gradients(loss, params, (data, t, keys), micro_batches)
+    updates, opt_state = opt_update(grads, opt_state)
+    model = eqx.apply_updates(model, updates)
+    return value, model, jr.split(key, 1)[0], opt_state
+
+
 def int_beta(t: jax.Array) -> jax.Array:
     return t
 
@@ -168,7 +204,13 @@ def weight(t: jax.Array) -> jax.Array:
     return 1 - jnp.exp(-int_beta(t))
 
 
-def _build(scale: str, concrete: bool, mapped: bool = False, donate: bool = False) -> Built:
+def _build(
+    scale: str,
+    concrete: bool,
+    mapped: bool = False,
+    donate: bool = False,
+    accumulate: bool = False,
+) -> Built:
     s = SIZES[scale]
     opt = optax.adabelief(3e-4)
 
@@ -190,6 +232,8 @@ def _build(scale: str, concrete: bool, mapped: bool = False, donate: bool = Fals
     step_fn = make_step
     if mapped:
         step_fn = functools.partial(make_step, loss=batch_loss_mapped)
+    if accumulate:
+        step_fn = make_step_accumulated
     step = eqx.filter_jit(step_fn, donate="all" if donate else "none")
     return step, (model, weight, int_beta, data, T1, train_key_arg, opt_state, opt.update)
 
@@ -208,6 +252,7 @@ register(
         fixes={
             "vmap-materialize": functools.partial(_build, mapped=True),
             "donation": functools.partial(_build, donate=True),
+            "grad-accumulation": functools.partial(_build, accumulate=True),
         },
         tolerance=1e-4,
         notes="The MNIST loader is left out; einops rearranges written with jnp.",

@@ -30,7 +30,9 @@ The fixes:
 
 No donation fix: score_sde's pmap already donates the carried state. No prng-temporaries
 fix: drawing the dropout masks and the noise with another generator ("rbg") gives other
-random numbers, so the results would not compare value by value.
+random numbers, so the results would not compare value by value. No grad-accumulation fix,
+for the same reason: a micro-batch's dropout masks, drawn for its own shape, are not the
+rows of the whole batch's masks, though the timesteps and noise could be drawn whole.
 """
 
 from __future__ import annotations
