@@ -229,7 +229,7 @@ def _build(
         model, opt_state = eqx.filter_eval_shape(init, model_key)
         data = jax.ShapeDtypeStruct(shape, jnp.float32)
         train_key_arg = jax.ShapeDtypeStruct(train_key.shape, train_key.dtype)
-    step_fn = make_step
+    step_fn: Callable[..., Any] = make_step
     if mapped:
         step_fn = functools.partial(make_step, loss=batch_loss_mapped)
     if accumulate:
