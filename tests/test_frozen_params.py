@@ -106,9 +106,9 @@ def test_same_result_check_catches_a_wrong_update(monkeypatch):
 
 def test_comparable_keeps_the_adapters_part():
     value, grads = 1.0, {"frozen": {"w": 0}, "lora": {"a": 2, "b": 3}}
-    assert frozen_params.comparable((value, grads)) == (1.0, {"a": 2, "b": 3})
-    assert frozen_params.comparable((value, {"a": 2, "b": 3})) == (1.0, {"a": 2, "b": 3})
-    assert frozen_params.comparable(("params", "state", 1.0)) == ("params", 1.0)
+    assert setup.comparable((value, grads)) == (1.0, {"a": 2, "b": 3})
+    assert setup.comparable((value, {"a": 2, "b": 3})) == (1.0, {"a": 2, "b": 3})
+    assert setup.comparable(("params", "state", 1.0)) == ("params", 1.0)
 
 
 def test_tables_cover_every_variant_and_report(seed, costs):
@@ -131,3 +131,33 @@ def test_cli_json(capsys):
         b = v["bytes"]
         assert b["total"] == b["argument"] + b["output"] + b["temp"] - b["alias"]
         assert v["lower_bound"] > 0
+
+
+def test_offloading_the_activations_is_trainable_remat_on_cpu(seed):
+    # XLA:CPU has one memory: the offload policy stores the layers' inputs where remat does.
+    result = seed[0]
+    for program in frozen_params.PROGRAMS:
+        offload = result.one(page.OFFLOADED, program=program)
+        assert offload.total == result.one("trainable-remat", program=program).total
+        assert offload.host_total == 0
+
+
+def test_offloading_moves_every_layer_input_to_the_host_for_a_gpu():
+    from runbook import _targets
+
+    if why := _targets.unavailable("h100"):
+        pytest.skip(why)
+    result = runbook.measure_case(
+        "frozen-params", "seed", target="h100", variants=[page.OFFLOADED, page.RECOMMENDED]
+    )
+    sizes = setup.sizes(CASE.scales["seed"])
+    for program in frozen_params.PROGRAMS:
+        offload = result.one(page.OFFLOADED, program=program)
+        kept = result.one(page.RECOMMENDED, program=program)
+        assert offload.host_total == sizes["layers"] * sizes["carry"]
+        assert kept.total - offload.total >= 0.9 * offload.host_total
+        assert offload.lower_bound <= offload.total <= 1.25 * offload.lower_bound
+        # the device floor leaves out exactly what the host holds
+        assert kept.lower_bound - offload.lower_bound == offload.host_total
+    table = page.offload_table(["h100"])
+    assert len(table.rows) == len(frozen_params.PROGRAMS)

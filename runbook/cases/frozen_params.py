@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from .._case_types import Case, Variant
 from ._setup import frozen_params as _setup
@@ -27,28 +28,33 @@ PROGRAMS = ("gradient", "train step")
 
 
 def model(
-    frozen: dict[str, jax.Array], lora: dict[str, jax.Array], x: jax.Array, remat: bool = False
+    frozen: dict[str, jax.Array],
+    lora: dict[str, jax.Array],
+    x: jax.Array,
+    remat: bool = False,
+    policy: Callable[..., bool] | None = None,
 ) -> jax.Array:
     """A scan over layers; each is a frozen matrix ``w`` plus a low-rank adapter ``a @ b``.
 
-    With `remat`, each layer is under `jax.checkpoint` (see the scan-residuals case).
+    With `remat`, each layer is under `jax.checkpoint` (see the scan-residuals case), with
+    `policy` if one is given; a layer's input is named ``"carry"`` for policies to name.
     """
 
     def layer(
         h: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array]
     ) -> tuple[jax.Array, None]:
         w, a, b = weights
+        h = checkpoint_name(h, "carry")
         return jnp.tanh(h @ w + (h @ a) @ b), None
 
-    h, _ = lax.scan(
-        jax.checkpoint(layer) if remat else layer, x, (frozen["w"], lora["a"], lora["b"])
-    )
+    body = jax.checkpoint(layer, policy=policy) if remat else layer
+    h, _ = lax.scan(body, x, (frozen["w"], lora["a"], lora["b"]))
     return h
 
 
-def loss(params: Params, x: jax.Array, y: jax.Array, remat: bool = False) -> jax.Array:
+def loss(params: Params, x: jax.Array, y: jax.Array, remat: bool = False, **kw: Any) -> jax.Array:
     """Mean squared error of the model; `params` is ``{"frozen": ..., "lora": ...}``."""
-    return jnp.mean((model(params["frozen"], params["lora"], x, remat) - y) ** 2)
+    return jnp.mean((model(params["frozen"], params["lora"], x, remat, **kw) - y) ** 2)
 
 
 def loss_stopped(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -73,16 +79,16 @@ def grad_masked(params: Params, x: jax.Array, y: jax.Array) -> tuple[jax.Array, 
 
 
 def grad_trainable(
-    params: Params, x: jax.Array, y: jax.Array, remat: bool = False
+    params: Params, x: jax.Array, y: jax.Array, remat: bool = False, **kw: Any
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Fix: differentiate with respect to the adapters only (the trainable subtree).
 
     Returns ``(loss, adapter gradients)``. Same as ``jax.grad(f, argnums=...)`` with the
-    adapters passed as their own argument. `remat` checkpoints each layer.
+    adapters passed as their own argument. `remat` checkpoints each layer (`model`'s `policy`).
     """
 
     def loss_of_adapters(lora: dict[str, jax.Array]) -> jax.Array:
-        return loss({"frozen": params["frozen"], "lora": lora}, x, y, remat)
+        return loss({"frozen": params["frozen"], "lora": lora}, x, y, remat, **kw)
 
     return jax.value_and_grad(loss_of_adapters)(params["lora"])
 
@@ -90,8 +96,25 @@ def grad_trainable(
 grad_trainable_remat = functools.partial(grad_trainable, remat=True)
 
 
+def grad_trainable_offload(
+    params: Params, x: jax.Array, y: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Fix on a GPU or a TPU: `grad_trainable_remat`, each layer's input kept in the host's
+    pinned memory instead of the device's. The backward pass copies one back per layer.
+
+    On CPU, XLA has one memory: this compiles to `grad_trainable_remat`'s program.
+    """
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["carry"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    return grad_trainable(params, x, y, remat=True, policy=policy)
+
+
 def labels(params: Params) -> Params:
-    """Optax labels for `params`: "frozen" or "train" per leaf."""
+    """Optax labels for `params`: each leaf labelled with its group, "frozen" or "lora"."""
     return {group: jax.tree.map(lambda _, g=group: g, tree) for group, tree in params.items()}
 
 
@@ -142,20 +165,6 @@ def step_trainable(
 def jit_step(step: Callable[..., Any]) -> Any:
     """A train step as users jit it: parameters and optimizer state donated."""
     return jax.jit(step, donate_argnums=(0, 1))
-
-
-def comparable(result: Any) -> Any:
-    """What the same-result check compares: the loss, the adapters' gradients or new params.
-
-    Gradient programs return ``(loss, gradients)``, whole-tree or adapters only; train
-    steps return ``(params, optimizer state, loss)``, whose optimizer states differ in
-    structure between variants (the new parameters depend on them).
-    """
-    if len(result) == 3:
-        new_params, _, value = result
-        return new_params, value
-    value, grads = result
-    return value, grads.get("lora", grads)
 
 
 _WHOLE_ADAM = _setup.inputs(lambda params: (OPTIMIZER.init, params))
@@ -212,12 +221,24 @@ CASE = Case(
             ),
             args=_ADAPTERS_ADAM,
         ),
+        Variant(
+            "trainable-offload",
+            "fix",
+            "the adapters only, each layer under jax.checkpoint, its input offloaded to pinned "
+            "host memory (save_and_offload_only_these_names)",
+            _program(
+                grad_trainable_offload,
+                functools.partial(step_trainable, grad=grad_trainable_offload),
+            ),
+            args=_ADAPTERS_ADAM,
+            since="jax.checkpoint_policies.save_and_offload_only_these_names",
+        ),
     ),
     args=_WHOLE_ADAM,
     grid=lambda scale: [{"program": p} for p in PROGRAMS],
     floor=_setup.floor,
     tolerance=1e-4,
-    compare=comparable,
+    compare=_setup.comparable,
     cause="a gradient returned from jit holds zeros the size of the frozen weights, and Adam "
     "over the whole tree keeps moments for them",
     recommended="trainable-remat",

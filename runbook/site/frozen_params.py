@@ -21,6 +21,7 @@ from .._case import CaseResult, measure_case
 from .._errors import DoesNotFitError
 from .._measure import MemoryReport, measure
 from .._render import Table, fmt_bytes
+from .._targets import get_target
 from ..cases._setup import frozen_params as setup
 from ..cases.frozen_params import (
     CASE,
@@ -259,6 +260,38 @@ def fix_table(result: CaseResult) -> Table:
         "one stored activation per layer. Saving: the reproduction's bytes / the variant's, same "
         f"program. {result.provenance.label()}.",
     )
+
+
+OFFLOADED = "trainable-offload"
+
+
+def offload_table(targets: Sequence[str]) -> Table:
+    """`trainable-offload` against the recommended fix, both programs at seed scale compiled
+    for each target: what each leaves on the device, what offloading keeps in host memory."""
+    rows, labels = [], []
+    for target in targets:
+        both = measure_case(CASE.name, target=target, variants=[OFFLOADED, RECOMMENDED])
+        for program in PROGRAMS:
+            off, kept = both.one(OFFLOADED, program=program), both.one(RECOMMENDED, program=program)
+            rows.append(
+                [
+                    get_target(target).label,
+                    program,
+                    fmt_bytes(off.total),
+                    fmt_bytes(off.host_total),
+                    f"{off.overhead:.2f}x",
+                    fmt_bytes(kept.total),
+                    fmt_bytes(kept.total - off.total),
+                ]
+            )
+        labels.append(both.provenance.label())
+    return Table(
+        ["target", "program", f"{OFFLOADED} on the device", "in host memory",
+         "device total / floor", f"{RECOMMENDED} on the device", "device bytes saved"],
+        rows,
+        "Seed scale, compile-time predictions per target. The device floor counts no stored "
+        f"activation, since offloading keeps them in host memory. {'; '.join(labels)}.",
+    )  # fmt: skip
 
 
 def reports_table(

@@ -71,6 +71,20 @@ def inputs(
     return args
 
 
+def comparable(result: Any) -> Any:
+    """What the same-result check compares: the loss, the adapters' gradients or new params.
+
+    Gradient programs return ``(loss, gradients)``, whole-tree or adapters only; train
+    steps return ``(params, optimizer state, loss)``, whose optimizer states differ in
+    structure between variants (the new parameters depend on them).
+    """
+    if len(result) == 3:
+        new_params, _, value = result
+        return new_params, value
+    value, grads = result
+    return value, grads.get("lora", grads)
+
+
 def loss_inputs(scale: Mapping[str, Any], p: Mapping[str, Any], concrete: bool) -> tuple[Any, ...]:
     return (params(scale, concrete), *batch(scale, concrete))
 
@@ -86,24 +100,30 @@ def sizes(scale: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-def floor_bytes(program: str, scale: Mapping[str, Any]) -> int:
+def floor_bytes(program: str, scale: Mapping[str, Any], offloaded: bool = False) -> int:
     """What a gradient or train step of the adapters must hold, at the least.
 
     The weights and the batch; the adapters' gradients (and, for a train step, Adam's two
     moments of the adapters); the loss; and one activation per layer: the backward pass of
     layer ``l`` needs its input ``h_l`` and its output ``h_(l+1)`` (for ``tanh``'s
-    derivative), so ``h_1 ... h_L`` beside the batch's ``h_0``, stored or recomputed. A
-    train step's new parameters and state reuse the donated buffers.
+    derivative), so ``h_1 ... h_L`` beside the batch's ``h_0``, stored or recomputed, in
+    device memory unless `offloaded` to the host's. A train step's new parameters and state
+    reuse the donated buffers.
     """
     s = sizes(scale)
     held = s["frozen"] + s["adapters"] + s["batch"] + 4
     if program == "train step":
         held += 2 * s["adapters"]
-    return held + s["adapters"] + s["layers"] * s["carry"]
+    return held + s["adapters"] + (0 if offloaded else s["layers"] * s["carry"])
 
 
-def floor(variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any]) -> int:
+def floor(
+    variant: Variant, scale: Mapping[str, Any], params: Mapping[str, Any], platform: str
+) -> int:
+    """The case's floor; `trainable-offload` keeps its activations in the host's memory,
+    except on CPU, where XLA has one memory."""
     if variant.role == "baseline":
         s = sizes(scale)
         return s["frozen"] + s["adapters"] + s["batch"] + 4
-    return floor_bytes(params["program"], scale)
+    offloaded = variant.name == "trainable-offload" and platform != "cpu"
+    return floor_bytes(params["program"], scale, offloaded)
