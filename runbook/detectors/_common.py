@@ -9,7 +9,8 @@ from .._hlo import Instruction, Value
 from .._program import Parameter, Program
 from .._timeline import of_program
 
-_PASS = ("bitcast", "copy", "reshape", "convert")
+# copy-start/copy-done: the TPU compiler's asynchronous copies (prefetches between memory spaces).
+_PASS = ("bitcast", "copy", "reshape", "convert", "copy-start", "copy-done")
 PRODUCTS = ("dot", "convolution")
 
 
@@ -35,7 +36,16 @@ def entry_parameter(program: Program, inst: Instruction) -> Parameter | None:
 
 # What moves or re-types an input on its way to a product: a cast to bfloat16, a transpose,
 # a copy, the all-gather of a sharded weight.
-MOVES = ("bitcast", "copy", "reshape", "convert", "transpose", "all-gather")
+MOVES = (
+    "bitcast",
+    "copy",
+    "reshape",
+    "convert",
+    "transpose",
+    "all-gather",
+    "copy-start",
+    "copy-done",
+)
 
 
 def moved_input(program: Program, inst: Instruction | None) -> Instruction | None:
