@@ -36,16 +36,7 @@ def entry_parameter(program: Program, inst: Instruction) -> Parameter | None:
 
 # What moves or re-types an input on its way to a product: a cast to bfloat16, a transpose,
 # a copy, the all-gather of a sharded weight.
-MOVES = (
-    "bitcast",
-    "copy",
-    "reshape",
-    "convert",
-    "transpose",
-    "all-gather",
-    "copy-start",
-    "copy-done",
-)
+MOVES = (*_PASS, "transpose", "all-gather")
 
 
 def moved_input(program: Program, inst: Instruction | None) -> Instruction | None:
