@@ -126,16 +126,40 @@ def test_a_cycle_is_caught():
         graphlib.TopologicalSorter(graph).prepare()
 
 
-@pytest.mark.parametrize("module", sorted(_CASES.values()))
-def test_a_case_module_imports_alone_and_pulls_in_only_the_case_types(module):
-    code = (
-        f"import json, sys, {module}\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('runbook'))))"
-    )
+# One fresh Python imports each case module in turn, first forgetting every module of the
+# package the one before brought in (JAX, imported once, stays): each import is seen alone.
+_EACH_ALONE = """
+import json, sys, importlib, jax
+pulled = {}
+for module in sys.argv[1:]:
+    for m in [m for m in sys.modules if m == "runbook" or m.startswith("runbook.")]:
+        del sys.modules[m]
+    importlib.import_module(module)
+    pulled[module] = sorted(m for m in sys.modules if m.startswith("runbook"))
+print(json.dumps(pulled))
+"""
+
+
+@pytest.fixture(scope="module")
+def pulled_alone() -> dict[str, list[str]]:
+    """Each case module's imports of the package, when imported alone."""
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout
-    pulled = set(json.loads(out.strip().splitlines()[-1])) - {module}
+        [sys.executable, "-c", _EACH_ALONE, *sorted(_CASES.values())],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    found: dict[str, list[str]] = json.loads(out.strip().splitlines()[-1])
+    return found
+
+
+def test_each_import_is_seen_alone(pulled_alone):
+    # the child forgets what one import brought in before the next: the case types, which
+    # every case module imports, are seen in each
+    assert all("runbook._case_types" in found for found in pulled_alone.values())
+
+
+@pytest.mark.parametrize("module", sorted(_CASES.values()))
+def test_a_case_module_imports_alone_and_pulls_in_only_the_case_types(module, pulled_alone):
+    pulled = set(pulled_alone[module]) - {module}
     # and its own measurement setup, where it keeps one (`runbook/cases/_setup/<case>.py`)
     allowed = CASE_MAY_IMPORT | {
         "runbook.cases._setup",
@@ -145,9 +169,10 @@ def test_a_case_module_imports_alone_and_pulls_in_only_the_case_types(module):
 
 
 def test_a_case_s_setup_belongs_to_a_case_and_imports_no_case():
+    graph = import_graph()
     for path in sorted((PACKAGE / "cases" / "_setup").glob("[!_]*.py")):
         assert (PACKAGE / "cases" / path.name).exists(), f"{path.name}: no case of that name"
-        imported = import_graph()[_module_name(path)]
+        imported = graph[_module_name(path)]
         assert not {m for m in imported if m.startswith("runbook.cases.") and "_setup" not in m}
 
 
