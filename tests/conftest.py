@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """One measurement cache for the whole run, made empty here and shared by the xdist
     workers (they inherit this environment): a program several tests measure is compiled
     once per run, never carried over from an earlier one. A RUNBOOK_CACHE_DIR already set
-    is used as it is; a test that times a measurement turns the cache off (`timed`)."""
+    is used as it is; a test that times a measurement starts from an empty one (`timed`)."""
     if hasattr(config, "workerinput") or os.environ.get(_cache.ENV_VAR):
         return
     folder = tempfile.mkdtemp(prefix="runbook-tests-")
@@ -75,17 +76,39 @@ def child_json() -> Callable[..., Any]:
     return run
 
 
+def _merge(fresh: str, into: str | None) -> None:
+    """Give the run's cache `into` the entries a cold measurement made in `fresh`, so that
+    the tests after it find them (an entry already there is left as it is)."""
+    if not into:
+        return
+    for path in pathlib.Path(fresh).glob("*/*.json"):
+        target = pathlib.Path(into) / path.parent.name / path.name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # copied beside, then renamed: a worker reading it never sees half a file
+            partial = target.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(path, partial)
+            partial.replace(target)
+
+
 @pytest.fixture(scope="session")
 def timed() -> Callable[..., tuple[Any, float]]:
-    """``timed(case, **options)``: the case measured at seed scale with the run's cache
-    off (a compile for a target is still read from the store), and the seconds it took."""
+    """``timed(case, **options)``: the case measured at seed scale from an empty cache (a
+    compile for a target is still read from the store), and the seconds it took; what it
+    computed then joins the run's cache."""
 
     def measure(case: str, **options: Any) -> tuple[Any, float]:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.delenv(_cache.ENV_VAR, raising=False)
+        shared = os.environ.get(_cache.ENV_VAR)
+        with (
+            pytest.MonkeyPatch.context() as mp,
+            tempfile.TemporaryDirectory(prefix="runbook-timed-") as fresh,
+        ):
+            mp.setenv(_cache.ENV_VAR, fresh)
             start = time.perf_counter()
             result = runbook.measure_case(case, "seed", **options)
-            return result, time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            _merge(fresh, shared)
+            return result, seconds
 
     return measure
 

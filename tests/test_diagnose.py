@@ -42,6 +42,22 @@ RUNTIME_CASES = {n for n in runbook.case_names() if runbook.get_case(n).runtime}
 COMPILED_CASES = [name for name in runbook.case_names() if name not in RUNTIME_CASES]
 
 
+# Each case program's diagnosis at seed scale, made once per worker: the case table reads the
+# same ones as the tests of each case before it.
+_DIAGNOSED: dict[str, runbook.Diagnosis] = {}
+
+
+def diagnosed(name, variant=None, *, at):
+    """`diagnose_case` at seed scale, remembered (`variant`: default the reproduction)."""
+    variant = variant or next(
+        v.name for v in runbook.get_case(name).variants if v.role == "reproduction"
+    )
+    key = json.dumps([name, variant, dict(at)], sort_keys=True, default=str)
+    if key not in _DIAGNOSED:
+        _DIAGNOSED[key] = diagnose_case(name, variant, at=at)
+    return _DIAGNOSED[key]
+
+
 def named(diagnosis, case):
     return [f for f in diagnosis.findings if f.case == case]
 
@@ -61,7 +77,7 @@ def seeds():
 @pytest.mark.parametrize("name", COMPILED_CASES)
 def test_reproduction_is_diagnosed_as_its_case_within_the_time(seeds, name):
     at = worst_point(seeds[name])
-    d = diagnose_case(name, at=at)
+    d = diagnosed(name, at=at)
     assert d.cases[:1] == [name], str(d)  # named, and the largest finding
     own = named(d, name)[0]
     assert own.bytes >= 0.10 * d.report.total
@@ -75,12 +91,18 @@ def test_recommended_fix_draws_no_finding_of_its_case(seeds, name):
     at = worst_point(result)
     fix = recommended(result, at)
     assert fix is not None
-    d = diagnose_case(name, fix.name, at=at)
+    d = diagnosed(name, fix.name, at=at)
     too_big = [f for f in named(d, name) if f.bytes > 0.05 * d.report.total]
     assert not too_big, str(d)
 
 
-def test_case_table_names_each_reproduction():
+def test_case_table_names_each_reproduction(monkeypatch):
+    def remembered(name, variant=None, *, scale="seed", at=None, target=None):
+        assert (scale, target) == ("seed", None)
+        assert at is not None
+        return diagnosed(name, variant, at=at)
+
+    monkeypatch.setattr("runbook.site._diagnose_cases.diagnose_case", remembered)
     table = case_diagnosis_table()
     rows = {(r[0], r[1]): r for r in table.rows}
     for name in COMPILED_CASES:
@@ -96,7 +118,7 @@ def test_int16_index_copy_is_named_as_widened():
 
 
 def test_pmap_loop_replication_is_information_without_a_device_limit(seeds):
-    d = diagnose_case("pmap-loop", at=worst_point(seeds["pmap-loop"]))
+    d = diagnosed("pmap-loop", at=worst_point(seeds["pmap-loop"]))
     replicated = [f for f in d.findings if f.pattern.startswith("inputs replicated")]
     assert len(replicated) == 1
     assert replicated[0].informational
