@@ -88,13 +88,15 @@ def test_loader_and_renderers(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_end_to_end_on_cpu(tmp_path):
-    # Not GPU evidence: the same code path, on the CPU backend, into a temporary folder.
-    data = _gpu.collect(["gather-grad"], scales=["tiny"], allow_cpu=True)
+    # Not GPU evidence: the same code path, on the CPU backend, into a temporary folder; for
+    # a case of three variants at one grid point (the pipeline is under test, not the case).
+    data = _gpu.collect(["donation"], scales=["tiny"], allow_cpu=True)
     out = _gpu._matrix.write_json(data, tmp_path / "gpu" / f"{_gpu.slug(data['device_kind'])}.json")
-    [record] = runbook.site.gpu_evidence("gather-grad", data_dir=tmp_path)
+    [record] = runbook.site.gpu_evidence("donation", data_dir=tmp_path)
     assert out.exists()
     assert record.scale == "tiny"
     assert {p["status"] for p in record.runtime} == {"ok"}
+    assert len(record.runtime) == len(runbook.get_case("donation").variants)
     for peak in record.runtime:
         assert peak["predicted"] == next(
             v["bytes"]["total"] for v in record.compile_time["tiny"]["variants"]
