@@ -275,8 +275,10 @@ def _process_docstring(app: Any, what: str, name: str, obj: Any, options: Any, l
 
 
 # Pages that read every case's measurements run last, so that they find them in the
-# measurement cache; case pages, the heaviest, run first.
-_ORDER = {"cases/": 0, "index": 2, "versions": 2, "status": 3}
+# measurement cache; case pages, the heaviest, run first. The diagnose page starts before
+# them: it diagnoses the corpus, minutes of work of its own, which behind the case pages
+# was the build's last page, running on one core while the others idled.
+_ORDER = {"diagnose": -1, "cases/": 0, "index": 2, "versions": 2, "status": 3}
 
 
 def _priority(docname: str) -> int:
@@ -284,12 +286,14 @@ def _priority(docname: str) -> int:
 
 
 def read_order(docnames: Sequence[str], seconds: Mapping[str, float]) -> list[str]:
-    """The order to execute pages in: case pages, other pages, then the pages that read every
-    case; within each, the longest first (by `seconds`, each page's last execution time).
+    """The order to execute pages in: the diagnose page, case pages, other pages, then the
+    pages that read every case; within each, the longest first (by `seconds`, each page's
+    last execution time).
 
     Examples:
-        >>> read_order(["status", "index", "guide", "cases/a", "cases/b"], {"cases/b": 90})
-        ['cases/b', 'cases/a', 'guide', 'index', 'status']
+        >>> read_order(["status", "index", "guide", "cases/a", "cases/b", "diagnose"],
+        ...            {"cases/b": 90})
+        ['diagnose', 'cases/b', 'cases/a', 'guide', 'index', 'status']
     """
     return sorted(docnames, key=lambda d: (_priority(d), -seconds.get(d, 0.0), d))
 
