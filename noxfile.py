@@ -58,6 +58,11 @@ PROJECT = nox.project.load_toml("pyproject.toml")
 # `targets` extra installs them): pages and tests measure on the CPU and compile for targets.
 CPU_ONLY = {"JAX_PLATFORMS": "cpu"}
 
+# uv installs without compiling bytecode, pip compiles it: without .pyc files every Python a
+# session starts (each test worker, each measuring child, each notebook) compiles JAX's
+# sources again where PYTHONDONTWRITEBYTECODE is set, and its first imports race where not.
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
+
 
 # The one list of releases and tested ends lives in the package; read it without importing
 # JAX into nox's Python.
