@@ -6,7 +6,7 @@ virtual environment on the Python the file names (`build.tools.python`), then th
 PATH and `READTHEDOCS_OUTPUT` set. Prints each step's seconds and the total, and fails when
 the total passes Read the Docs' build time limit. Also prints the build step's peak memory,
 every process of it summed (proportional set size, sampled each second), and fails above
-`--memory-limit` GiB (4 unless told).
+`--memory-limit` GiB (`MEMORY_LIMIT` unless told).
 
     nox -s rtd                      # what .ci/run runs
     nox -s rtd -- --offline-build   # the build step with no network (loopback only; root)
@@ -32,7 +32,7 @@ LIMIT = 15 * 60
 # GiB the build step may hold, every process summed: Read the Docs' community builders allow
 # 7 GB (6.5 GiB) and once allowed 3 GB. The peak moves from run to run with which pages'
 # kernels overlap; this line leaves room for that and fails a build that keeps what its
-# processes freed again (see MALLOC in build_site.py). Measured: 3.43 to 3.70 GiB (2026-11).
+# processes freed again (see MALLOC in build_site.py).
 MEMORY_LIMIT = 4.0
 # The order Read the Docs runs a build's jobs in (`build.jobs.build` holds one per format).
 JOBS = ("post_checkout", "pre_system_dependencies", "post_system_dependencies",
