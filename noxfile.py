@@ -2,7 +2,8 @@
 # /// script
 # dependencies = ["nox>=2025.10.14"]
 # ///
-"""Sessions: tests and lint (default); docs, rtd, browser, versions, bench and gpu (on demand)."""
+"""Sessions: tests and lint (default); docs, rtd, browser, versions, bench, gpu and gpu-corpus
+(on demand)."""
 
 from __future__ import annotations
 
@@ -270,6 +271,16 @@ def gpu(session: nox.Session) -> None:
     session.run(
         "python", "-m", "runbook.site.producers.gpu", "--out-dir", str(ROOT / "docs" / "_data" / "gpu"),
         *session.posargs, env={"PYTHONPATH": path},
+    )  # fmt: skip
+
+
+@nox.session(name="gpu-corpus", default=False, venv_backend="none")
+def gpu_corpus(session: nox.Session) -> None:
+    """The real-program corpus's peaks on this machine's GPU, with the Python on PATH (a CUDA
+    build of JAX, with flax, equinox and optax). Writes docs/_data/corpus/gpu-<device-kind>.json."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    session.run(
+        "python", "-m", "runbook.site.corpus.real._peaks", *session.posargs, env={"PYTHONPATH": path}
     )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _cache, _subprocess
@@ -31,6 +31,11 @@ TIMING_SECONDS = 1.0
 def agreement() -> str:
     """The agreement rule between a measured peak and its prediction, in words."""
     return f"within {REL_TOLERANCE:.0%} + {ABS_TOLERANCE // 2**20} MiB per device"
+
+
+def agrees(measured: int, predicted: int) -> bool:
+    """Whether a measured peak agrees with its prediction (`agreement`)."""
+    return abs(measured - predicted) <= REL_TOLERANCE * predicted + ABS_TOLERANCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +63,72 @@ class RuntimePeak:
 
     @property
     def agrees(self) -> bool:
-        return abs(self.measured - self.predicted) <= REL_TOLERANCE * self.predicted + ABS_TOLERANCE
+        return agrees(self.measured, self.predicted)
+
+
+def run_compiled(
+    compiled: Any,
+    make_args: Callable[[], Any],
+    *,
+    devices_needed: int = 1,
+    what: str = "the program",
+    hint: str = "",
+) -> tuple[dict[str, Any], Any, Any, float]:
+    """Execute `compiled` once on the inputs `make_args()` makes, and read its peak.
+
+    Refuses (`WontFitError`) before making any input when the compile-time total is more
+    than `SAFETY` of what this machine allows. Call it in a fresh process: the GPU
+    allocator's peak cannot be reset.
+
+    Returns:
+        (figures, args, out, seconds): ``predicted``, ``measured``, ``method``,
+        ``compile_peak`` and ``inputs_peak`` (bytes per device); the inputs, the result and
+        the run's seconds.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    devices = jax.local_devices()
+    gpu = devices[0].platform != "cpu"
+    stats = compiled.memory_analysis()
+    predicted = stats.argument_size_in_bytes + stats.output_size_in_bytes
+    predicted += stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    if gpu:
+        limit = min(d.memory_stats()["bytes_limit"] for d in devices[:devices_needed])
+        need, where = predicted, f"{devices[0].device_kind} ({limit:,} bytes usable)"
+    else:
+        limit = available_bytes()
+        need, where = predicted * devices_needed, f"this host ({limit:,} bytes available)"
+    if need > SAFETY * limit:
+        raise WontFitError(
+            f"refusing to run {what}: it needs {need:,} bytes and {where} allows "
+            f"{int(SAFETY * limit):,}. {hint}".rstrip()
+        )
+    compile_peak = devices[0].memory_stats()["peak_bytes_in_use"] if gpu else None
+    jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))  # start the runtime's pools
+    if not gpu:
+        base = settle()
+    args = jax.block_until_ready(make_args())
+    inputs_peak = devices[0].memory_stats()["peak_bytes_in_use"] if gpu else None
+    if not gpu:
+        settle()  # making the inputs leaves freed host buffers behind
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current resident set
+    start = time.perf_counter()
+    out = jax.block_until_ready(compiled(*args))
+    seconds = time.perf_counter() - start
+    used = len(jax.tree_util.tree_leaves(out)[0].sharding.device_set)  # 1 for a serial program
+    if gpu:
+        measured = max(d.memory_stats()["peak_bytes_in_use"] for d in devices[:used])
+        method = "gpu peak_bytes_in_use"
+    else:
+        measured = (status("VmHWM") - base) // used
+        method = "cpu resident-set peak / devices used"
+    figures = {
+        "predicted": int(predicted), "measured": int(measured), "method": method,
+        "compile_peak": compile_peak, "inputs_peak": inputs_peak,
+    }  # fmt: skip
+    return figures, args, out, seconds
 
 
 def _peak_json(
@@ -70,7 +140,6 @@ def _peak_json(
     repeats: int,
 ) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
 
     from ._case import get_case
     from ._measure import compile_fn
@@ -79,45 +148,16 @@ def _peak_json(
     v = case.variant(variant)
     size = case.scale(scale)
     options = case.options() if options is None else options
-    devices = jax.local_devices()
-    gpu = devices[0].platform != "cpu"
     # Predict first, on abstract inputs: refuse before allocating anything.
     abstract = case.inputs(v, size, params, False)
     compiled = compile_fn(v.program(params), *abstract, compiler_options=options)
-    stats = compiled.memory_analysis()
-    predicted = stats.argument_size_in_bytes + stats.output_size_in_bytes
-    predicted += stats.temp_size_in_bytes - stats.alias_size_in_bytes
-    if gpu:
-        limit = min(d.memory_stats()["bytes_limit"] for d in devices[: case.devices])
-        need, where = predicted, f"{devices[0].device_kind} ({limit:,} bytes usable)"
-    else:
-        limit = available_bytes()
-        need, where = predicted * case.devices, f"this host ({limit:,} bytes available)"
-    if need > SAFETY * limit:
-        raise WontFitError(
-            f"refusing to run {name}/{variant} at scale {scale!r}: it needs {need:,} bytes "
-            f"and {where} allows {int(SAFETY * limit):,}. Use a smaller scale."
-        )
-    compile_peak = devices[0].memory_stats()["peak_bytes_in_use"] if gpu else None
-    jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(8)))  # start the runtime's pools
-    if not gpu:
-        base = settle()
-    args = jax.block_until_ready(case.inputs(v, size, params, True))
-    inputs_peak = devices[0].memory_stats()["peak_bytes_in_use"] if gpu else None
-    if not gpu:
-        settle()  # making the inputs leaves freed host buffers behind
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the high-water mark to the current resident set
-    start = time.perf_counter()
-    out = jax.block_until_ready(compiled(*args))
-    first = time.perf_counter() - start
-    used = len(jax.tree_util.tree_leaves(out)[0].sharding.device_set)  # 1 for a serial program
-    if gpu:
-        measured = max(d.memory_stats()["peak_bytes_in_use"] for d in devices[:used])
-        method = "gpu peak_bytes_in_use"
-    else:
-        measured = (status("VmHWM") - base) // used
-        method = "cpu resident-set peak / devices used"
+    found, args, _, first = run_compiled(
+        compiled,
+        lambda: case.inputs(v, size, params, True),
+        devices_needed=case.devices,
+        what=f"{name}/{variant} at scale {scale!r}",
+        hint="Use a smaller scale.",
+    )
     # A measured run that alone takes TIMING_SECONDS is its own timing.
     times = [first] if repeats and first >= TIMING_SECONDS else []
     while len(times) < repeats and sum(times) < TIMING_SECONDS:
@@ -130,13 +170,9 @@ def _peak_json(
     return {
         "name": variant,
         "params": params,
-        "predicted": int(predicted),
-        "measured": int(measured),
+        **found,
         "seconds": min(times) if times else 0.0,
-        "method": method,
         "compiler_options": options,
-        "compile_peak": compile_peak,
-        "inputs_peak": inputs_peak,
     }
 
 

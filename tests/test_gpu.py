@@ -102,3 +102,45 @@ def test_pipeline_end_to_end_on_cpu(tmp_path):
             v["bytes"]["total"] for v in record.compile_time["tiny"]["variants"]
             if v["name"] == peak["name"] and v["params"] == peak["params"]
         )  # fmt: skip
+
+
+def test_no_case_is_recorded_twice_for_one_gpu():
+    # Runs on different days sit in files of their own; a case in two of them for the same
+    # device kind would show twice, with two dates.
+    for case in runbook.case_names():
+        kinds = [r.device_kind for r in runbook.site.gpu_evidence(case) or []]
+        assert len(kinds) == len(set(kinds)), case
+
+
+def test_corpus_peaks_refuse_a_cpu_backend():
+    from runbook.site.corpus.real import _peaks
+
+    with pytest.raises(RunbookError, match="no GPU"):
+        _peaks.collect(["kv-cache-decode"])
+
+
+def test_corpus_peaks_run_each_program_and_fix_in_a_fresh_process(tmp_path):
+    from runbook.site.corpus.real import _peaks
+
+    out = tmp_path / "gpu-cpu.json"
+    data = _peaks.collect(["kv-cache-decode", "gpt2-pmap"], scale="tiny", allow_cpu=True, out=out)
+    rows = {(r["program"], r["fix"]): r for r in data["rows"]}
+    # The programs as written come first, then the fixes.
+    assert [r["fix"] for r in data["rows"][:2]] == [None, None]
+    for fix in (None, "donation"):
+        row = rows["kv-cache-decode", fix]
+        assert row["status"] == "ok", row
+        assert row["predicted"] > 0
+        assert row["measured"] > 0
+        assert row["ratio"] == row["measured"] / row["predicted"]
+    assert rows["gpt2-pmap", None]["status"] == "not applicable"
+    assert json.loads(out.read_text())["rows"] == data["rows"]
+    assert _peaks.load(tmp_path)[0]["rows"] == data["rows"]
+    table = _peaks.peaks_table(data)
+    assert [r[:2] for r in table.rows] == [
+        ["gpt2-pmap", "as written"], ["kv-cache-decode", "as written"],
+        ["gpt2-pmap", "donation"], ["gpt2-pmap", "vocab-logits"],
+        ["gpt2-pmap", "attention-scores"], ["gpt2-pmap", "scan-residuals"],
+        ["kv-cache-decode", "donation"],
+    ]  # fmt: skip
+    assert "not applicable: needs 8 devices, 1 present" in table.rows[0][3]

@@ -1,0 +1,223 @@
+"""Real peaks of the real-program corpus on this machine's GPU, beside each compile-time
+prediction: does a model's step, and each fix, use what the compiler said it would?
+
+``nox -s gpu-corpus`` runs, with the Python that has a CUDA build of JAX (and flax, equinox
+and optax)::
+
+    python -m runbook.site.corpus.real._peaks --out-dir docs/_data/corpus
+
+Each one-device program, as written and with each fix, is built on its own seeded inputs
+at its authors' scale, compiled on the GPU and run once, in a fresh process (the allocator's
+peak cannot be reset; the peaks before the run, making the inputs and compiling, are kept
+apart). A program that needs more devices than the machine has is recorded as not
+applicable; one the prediction says will not fit is refused before it runs.
+Writes ``gpu-<device kind>.json``, whose rows the diagnose page shows (`peaks_table`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from runbook import _subprocess
+from runbook._errors import RunbookError, WontFitError
+
+from . import get, programs
+
+DATA = pathlib.Path(__file__).resolve().parents[4] / "docs" / "_data" / "corpus"
+TIME_LIMIT = 300.0  # seconds per program, process start and compile included
+
+
+def _peak_json(name: str, fix: str | None, scale: str) -> dict[str, Any]:
+    import jax
+
+    from runbook._inputs import as_jax
+    from runbook._measure import compile_fn
+    from runbook._runtime import run_compiled
+
+    program = get(name)
+    build = program.fixes[fix] if fix else program.build
+    # One build, made real first: a second build is a different pytree (a train state's
+    # optimizer functions, a module's own arrays), which the compiled step would not take.
+    fn, args = as_jax(*build(scale, True))
+    avals = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x, args
+    )
+    compiled = compile_fn(fn, *avals)
+    what = f"{name}" + (f" with the {fix} fix" if fix else "")
+    figures, _, _, seconds = run_compiled(
+        compiled, lambda: _dynamic(compiled, args), devices_needed=program.devices, what=what
+    )
+    return {**figures, "seconds": seconds}
+
+
+def _dynamic(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args` less a jit's static arguments (an NNX GraphDef): what the compiled step takes.
+    The static ones are those holding no array."""
+    import jax
+
+    wanted = len(compiled.in_tree.children()[0].children())
+    if len(args) == wanted:
+        return args
+    dynamic = tuple(a for a in args if any(hasattr(x, "dtype") for x in jax.tree.leaves(a)))
+    if len(dynamic) != wanted:
+        raise RunbookError(f"the compiled step takes {wanted} arguments, not {len(args)}")
+    return dynamic
+
+
+def measure(
+    name: str,
+    fix: str | None,
+    *,
+    devices: int,
+    scale: str = "authors",
+    time_limit: float = TIME_LIMIT,
+) -> dict[str, Any]:
+    """One program (with `fix` applied, or as written) in a fresh process: its row."""
+    row: dict[str, Any] = {"program": name, "fix": fix, "scale": scale}
+    needed = get(name).devices
+    if needed > devices:
+        return {
+            **row,
+            "status": "not applicable",
+            "reason": f"needs {needed} devices, {devices} present",
+        }
+    start = time.perf_counter()
+    try:
+        found = _subprocess.call(
+            "runbook.site.corpus.real._peaks:_peak_json",
+            timeout=time_limit, name=name, fix=fix, scale=scale,
+        )  # fmt: skip
+    except WontFitError as e:
+        return {**row, "status": "won't fit", "reason": _subprocess.one_line(str(e))}
+    except RunbookError as e:
+        return {**row, "status": "failed", "reason": _subprocess.failure(e)}
+    except subprocess.TimeoutExpired as e:
+        return {**row, "status": "failed", "reason": _subprocess.one_line(str(e))}
+    ratio = found["measured"] / found["predicted"] if found["predicted"] else None
+    return {
+        **row, "status": "ok", **found, "ratio": ratio,
+        "wall_seconds": round(time.perf_counter() - start, 1),
+    }  # fmt: skip
+
+
+def collect(
+    names: Sequence[str] | None = None,
+    *,
+    scale: str = "authors",
+    allow_cpu: bool = False,
+    time_limit: float = TIME_LIMIT,
+    progress: Callable[[str], None] | None = None,
+    out: pathlib.Path | None = None,
+) -> dict[str, Any]:
+    """Every program, as written then with each fix, on this machine's GPU.
+
+    Args:
+        names: only these programs (default: all).
+        scale: "authors" (the evidence) or "tiny" (to test the pipeline).
+        allow_cpu: run on a CPU backend too (to test the pipeline; not GPU evidence).
+        time_limit: seconds per program.
+        progress: called with a line per row.
+        out: a JSON file written again after each row, so a run cut short keeps its rows.
+    """
+    import jax
+
+    from runbook._provenance import Provenance
+    from runbook.site.producers.gpu import device_info
+    from runbook.site.producers.matrix import write_json
+
+    if jax.default_backend() == "cpu" and not allow_cpu:
+        raise RunbookError("no GPU: JAX's default backend is 'cpu'. Run `nox -s gpu-corpus` "
+                           "with a Python that has a CUDA build of JAX.")  # fmt: skip
+    info = device_info()
+    p = Provenance.current()
+    rows: list[dict[str, Any]] = []
+    data = {**info, "backend": p.backend, "jax": p.jax, "jaxlib": p.jaxlib,
+            "generated": p.date, "machine": p.machine, "rows": rows}  # fmt: skip
+    chosen = [prog for prog in programs() if not names or prog.name in names]
+    # Every program as written first, then the fixes: a run cut short keeps the first.
+    runs = [(q.name, None) for q in chosen] + [(q.name, f) for q in chosen for f in q.fixes]
+    for name, fix in runs:
+        row = measure(name, fix, devices=info["devices"], scale=scale, time_limit=time_limit)
+        rows.append(row)
+        if out is not None:
+            write_json(data, out)
+        if progress:
+            ok = row["status"] == "ok"
+            got = f"{row['measured']:,} of {row['predicted']:,} predicted" if ok else row["status"]
+            progress(f"{name} {fix or 'as written'}: {got}")
+    return data
+
+
+def load(data_dir: str | pathlib.Path | None = None) -> list[dict[str, Any]]:
+    """Every GPU's recorded corpus peaks (``gpu-*.json``), one dict per device kind."""
+    return [
+        json.loads(p.read_text()) for p in sorted(pathlib.Path(data_dir or DATA).glob("gpu-*.json"))
+    ]
+
+
+def peaks_table(data: dict[str, Any]) -> Any:
+    """One GPU's recorded corpus peaks: per program and fix, predicted beside measured."""
+    from runbook._render import Table, fmt_bytes
+    from runbook._runtime import agreement, agrees
+
+    rows = []
+    for r in data["rows"]:
+        what = [r["program"], r["fix"] or "as written"]
+        if r["status"] != "ok":
+            rows.append([*what, "-", f"{r['status']}: {r['reason']}", "-", "-"])
+            continue
+        measured = fmt_bytes(r["measured"])
+        if r["compile_peak"] is not None and r["compile_peak"] >= r["measured"]:
+            measured += " (reached while compiling)"
+        elif r["inputs_peak"] is not None and r["inputs_peak"] >= r["measured"]:
+            measured += " (reached while making the inputs)"
+        same = "yes" if agrees(r["measured"], r["predicted"]) else "no"
+        rows.append([*what, fmt_bytes(r["predicted"]), measured, f"{r['ratio']:.2f}x", same])
+    caption = (
+        f"{data['device_kind']} x{data['devices']}, jax {data['jax']} / jaxlib {data['jaxlib']}, "
+        f"measured {data['generated']} (`nox -s gpu-corpus`). Bytes per device at the authors' "
+        f"scale; they agree {agreement()}."
+    )
+    columns = [
+        "program",
+        "fix",
+        "GPU compile-time",
+        "GPU measured peak",
+        "measured / predicted",
+        "agree",
+    ]
+    return Table(columns, rows, caption)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import jax
+
+    from runbook.site.producers.gpu import slug
+
+    parser = argparse.ArgumentParser(
+        prog="python -m runbook.site.corpus.real._peaks", description=__doc__
+    )
+    parser.add_argument("--out-dir", default=str(DATA), help="writes gpu-<device-kind>.json here")
+    parser.add_argument("--program", action="append", help="only this program (repeatable)")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds per program")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out_dir) / f"gpu-{slug(jax.local_devices()[0].device_kind)}.json"
+    try:
+        collect(args.program, time_limit=args.time_limit, out=out,
+                progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    except RunbookError as e:
+        print(f"runbook: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
