@@ -7,9 +7,9 @@ and optax)::
     python -m runbook.site.corpus.real._peaks --out-dir docs/_data/corpus
 
 Each one-device program, as written and with each fix, is built on its own seeded inputs
-at its authors' scale, compiled on the GPU and run once, in a fresh process (the allocator's
-peak cannot be reset; the peaks before the run, making the inputs and compiling, are kept
-apart). A program that needs more devices than the machine has is recorded as not
+at its authors' scale, then compiled on the GPU and run once, in a fresh process (the
+allocator's peak cannot be reset; its peak once the inputs were made, and once compiled, are
+kept apart). A program that needs more devices than the machine has is recorded as not
 applicable; one the prediction says will not fit is refused before it runs.
 Writes ``gpu-<device kind>.json``, whose rows the diagnose page shows (`peaks_table`).
 """
@@ -46,6 +46,8 @@ def _peak_json(name: str, fix: str | None, scale: str) -> dict[str, Any]:
     # One build, made real first: a second build is a different pytree (a train state's
     # optimizer functions, a module's own arrays), which the compiled step would not take.
     fn, args = as_jax(*build(scale, True))
+    device = jax.local_devices()[0]
+    made = device.memory_stats()["peak_bytes_in_use"] if device.platform != "cpu" else None
     avals = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x, args
     )
@@ -54,7 +56,8 @@ def _peak_json(name: str, fix: str | None, scale: str) -> dict[str, Any]:
     figures, _, _, seconds = run_compiled(
         compiled, lambda: _dynamic(compiled, args), devices_needed=program.devices, what=what
     )
-    return {**figures, "seconds": seconds}
+    # The inputs were made before the compile here: the peak then is theirs.
+    return {**figures, "inputs_peak": made, "seconds": seconds}
 
 
 def _dynamic(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -174,10 +177,10 @@ def peaks_table(data: dict[str, Any]) -> Any:
             rows.append([*what, "-", f"{r['status']}: {r['reason']}", "-", "-"])
             continue
         measured = fmt_bytes(r["measured"])
-        if r["compile_peak"] is not None and r["compile_peak"] >= r["measured"]:
-            measured += " (reached while compiling)"
-        elif r["inputs_peak"] is not None and r["inputs_peak"] >= r["measured"]:
+        if r["inputs_peak"] is not None and r["inputs_peak"] >= r["measured"]:
             measured += " (reached while making the inputs)"
+        elif r["compile_peak"] is not None and r["compile_peak"] >= r["measured"]:
+            measured += " (reached while compiling)"
         same = "yes" if agrees(r["measured"], r["predicted"]) else "no"
         rows.append([*what, fmt_bytes(r["predicted"]), measured, f"{r['ratio']:.2f}x", same])
     caption = (
