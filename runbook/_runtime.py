@@ -73,7 +73,7 @@ def run_compiled(
     devices_needed: int = 1,
     what: str = "the program",
     hint: str = "",
-) -> tuple[dict[str, Any], Any, Any, float]:
+) -> tuple[dict[str, Any], Any, float]:
     """Execute `compiled` once on the inputs `make_args()` makes, and read its peak.
 
     Refuses (`WontFitError`) before making any input when the compile-time total is more
@@ -81,9 +81,9 @@ def run_compiled(
     allocator's peak cannot be reset.
 
     Returns:
-        (figures, args, out, seconds): ``predicted``, ``measured``, ``method``,
-        ``compile_peak`` and ``inputs_peak`` (bytes per device); the inputs, the result and
-        the run's seconds.
+        (figures, args, seconds): ``predicted``, ``measured``, ``method``,
+        ``compile_peak`` and ``inputs_peak`` (bytes per device); the inputs (a program that
+        donates them has used them up) and the run's seconds.
     """
     import jax
     import jax.numpy as jnp
@@ -128,7 +128,7 @@ def run_compiled(
         "predicted": int(predicted), "measured": int(measured), "method": method,
         "compile_peak": compile_peak, "inputs_peak": inputs_peak,
     }  # fmt: skip
-    return figures, args, out, seconds
+    return figures, args, seconds
 
 
 def _peak_json(
@@ -151,7 +151,7 @@ def _peak_json(
     # Predict first, on abstract inputs: refuse before allocating anything.
     abstract = case.inputs(v, size, params, False)
     compiled = compile_fn(v.program(params), *abstract, compiler_options=options)
-    found, args, _, first = run_compiled(
+    found, args, first = run_compiled(
         compiled,
         lambda: case.inputs(v, size, params, True),
         devices_needed=case.devices,

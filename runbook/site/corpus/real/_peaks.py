@@ -48,12 +48,9 @@ def _peak_json(name: str, fix: str | None, scale: str) -> dict[str, Any]:
     fn, args = as_jax(*build(scale, True))
     device = jax.local_devices()[0]
     made = device.memory_stats()["peak_bytes_in_use"] if device.platform != "cpu" else None
-    avals = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x, args
-    )
-    compiled = compile_fn(fn, *avals)
+    compiled = compile_fn(fn, *args)
     what = f"{name}" + (f" with the {fix} fix" if fix else "")
-    figures, _, _, seconds = run_compiled(
+    figures, _, seconds = run_compiled(
         compiled, lambda: _dynamic(compiled, args), devices_needed=program.devices, what=what
     )
     # The inputs were made before the compile here: the peak then is theirs.
