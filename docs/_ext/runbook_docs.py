@@ -126,6 +126,8 @@ def declared(page: pathlib.Path) -> dict[str, list[str] | str]:
             if line.startswith("runbook:"):
                 inside = True
                 continue
+            if inside and line.startswith("    "):
+                continue  # a list's items, below its key (`runbook_prepare` reads them)
             if inside and line.startswith("  ") and ":" in line:
                 key, _, value = line.strip().partition(":")
                 value = value.strip()
@@ -275,10 +277,10 @@ def _process_docstring(app: Any, what: str, name: str, obj: Any, options: Any, l
 
 
 # Pages that read every case's measurements run last, so that they find them in the
-# measurement cache; case pages, the heaviest, run first. The diagnose page starts before
-# them: it diagnoses the corpus, minutes of work of its own, which behind the case pages
-# was the build's last page, running on one core while the others idled.
-_ORDER = {"diagnose": -1, "cases/": 0, "index": 2, "versions": 2, "status": 3}
+# measurement cache; case pages, the heaviest, run first. The diagnose page, which measures
+# every case too, comes after them: its corpus, minutes of work of its own, is measured
+# before any page runs (`runbook_prepare`).
+_ORDER = {"cases/": 0, "diagnose": 1, "index": 2, "versions": 2, "status": 3}
 
 
 def _priority(docname: str) -> int:
@@ -286,14 +288,14 @@ def _priority(docname: str) -> int:
 
 
 def read_order(docnames: Sequence[str], seconds: Mapping[str, float]) -> list[str]:
-    """The order to execute pages in: the diagnose page, case pages, other pages, then the
-    pages that read every case; within each, the longest first (by `seconds`, each page's
-    last execution time).
+    """The order to execute pages in: case pages, other pages, then the pages that read
+    every case; within each, the longest first (by `seconds`, each page's last execution
+    time).
 
     Examples:
         >>> read_order(["status", "index", "guide", "cases/a", "cases/b", "diagnose"],
-        ...            {"cases/b": 90})
-        ['diagnose', 'cases/b', 'cases/a', 'guide', 'index', 'status']
+        ...            {"cases/b": 90, "diagnose": 60})
+        ['cases/b', 'cases/a', 'diagnose', 'guide', 'index', 'status']
     """
     return sorted(docnames, key=lambda d: (_priority(d), -seconds.get(d, 0.0), d))
 
@@ -328,12 +330,35 @@ def page_seconds(env: Any) -> dict[str, float]:
 def _order_reads(app: Any, env: Any, docnames: list[str]) -> None:
     # A rebuild knows each page's time from the build before; a first build takes the
     # times of the cold build that the committed benchmark timed.
-    seconds = page_seconds(env)
-    if not seconds:
-        bench = pathlib.Path(app.srcdir) / "_data" / "bench" / "bench.json"
-        if bench.exists():
-            seconds = json.loads(bench.read_text()).get("docs_page_seconds", {})
+    seconds = page_seconds(env) or _benchmark(app).get("docs_page_seconds", {})
     docnames[:] = read_order(docnames, seconds)
+
+
+def _benchmark(app: Any) -> dict[str, Any]:
+    """The committed benchmark (`nox -s bench`), or {}."""
+    bench = pathlib.Path(app.srcdir) / "_data" / "bench" / "bench.json"
+    return json.loads(bench.read_text()) if bench.exists() else {}
+
+
+def _prepare(app: Any, env: Any, docnames: list[str]) -> None:
+    """Run the slow calls the pages about to execute declare, on every core, before them
+    (`runbook_prepare`): measured into the cache, which the pages then read."""
+    import runbook_prepare  # docs/_ext, beside this module
+
+    folder = os.environ.get("RUNBOOK_CACHE_DIR")
+    if not folder:  # no cache: what the pre-pass measured would not reach the pages
+        return
+    # For a first build's order: how long each page's measurements took, wherever they
+    # were made (the measurement cache's profile of the benchmark's build).
+    measuring = (_benchmark(app).get("docs_profile") or {}).get("by_page", {})
+    seconds = {page: row["seconds"] for page, row in measuring.items()}
+    pages = {d: pathlib.Path(env.doc2path(d)) for d in docnames}
+    calls = [
+        (d, call, runbook_prepare.devices(page))
+        for d, page in pages.items()
+        for call in runbook_prepare.declared(page)
+    ]
+    runbook_prepare.prepare(calls, pathlib.Path(folder), page_seconds=seconds)
 
 
 def _name_page(app: Any, docname: str, source: list[str]) -> None:
@@ -352,6 +377,7 @@ def setup(app: Any) -> dict[str, Any]:
     _balance_parallel_reads()
     app.connect("env-get-outdated", _outdated)
     app.connect("env-before-read-docs", _order_reads)
+    app.connect("env-before-read-docs", _prepare)  # after the order: the pages it will read
     app.connect("source-read", _name_page)
     app.connect("doctree-read", _record)
     app.connect("env-purge-doc", _purge)
