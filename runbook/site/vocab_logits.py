@@ -32,6 +32,8 @@ REPORTS = {
 }
 AXLEARN = {"tokens": 16 * 1024, "vocab": 153_000, "reported_gb": 9.6}
 MAXTEXT_ONE_HOT = {"tokens": 8 * 4096, "vocab": 102_400, "reported_gb": 6.7}
+# Where every variant runs for real on the page: the runnable scale's longest sequence.
+PEAK_POINT = {"tokens": CASE.scales[CASE.runnable_scale]["tokens"][-1]}
 
 
 def one_hot_arrays(fn: Any, *args: Any, target: str | None = None) -> list[tuple[str, int]]:
