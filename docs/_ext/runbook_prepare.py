@@ -1,20 +1,27 @@
-"""The build's measurement pre-pass: the slow calls pages declare, run first, on every core.
+"""The build's measurement pre-pass: the slow calls pages declare, made first, on every core.
 
-A page lists, in its front matter, the calls of its own code that take the time::
+A page lists, in its front matter, the slow calls of its own code::
 
     runbook:
-      cases: [scan-residuals]
+      cases: [donation]
       prepare:
-        - runbook.measure_case("scan-residuals", "seed")
-        - runbook.verify("scan-residuals")
+        - runbook.verify("donation")
+        - runbook.site.donation.peaks()
 
-Before Sphinx executes the pages it is about to read, the docs extension runs the calls
-they declare in a pool of worker processes, one per core: each page's calls in one
-process, in order, the longest pages first. Each call
-fills the measurement cache (``RUNBOOK_CACHE_DIR``), and the page, running the same call,
-reads it back. So no page waits minutes on one core for work the other cores could share.
+Before Sphinx executes the pages it is about to read, the docs extension makes the calls
+they declare in a pool of worker processes: each page's calls in one process, in order,
+the longest pages first. Each call fills the measurement cache (``RUNBOOK_CACHE_DIR``), and
+the page, making the same call, reads it back: no page spends minutes on work that the
+other cores could share.
 
-A declaration is the call exactly as the page's code writes it (`unwritten` checks this):
+What to declare: calls whose work the page's other cells do not repeat. Real runs (each in
+a process of its own), fix checks and the diagnose corpus are. A seed-scale compile is
+not: the page's later cells compile the same programs again, which in the page's kernel
+JAX's own cache would have answered, so declared it is compiled twice.
+
+A declaration is the call exactly as the page's code writes it (`unwritten` checks this),
+with nothing in scope but ``runbook`` (``runbook.get_case("donation").variants`` where a
+cell might say ``CASE.variants``):
 a declared call the page does not make would be work for nothing, and a call the page
 makes but does not declare is still made, only in the page. A call that fails here is
 reported and left to the page, which fails with the whole traceback.
@@ -163,7 +170,11 @@ def prepare(
 ) -> dict[tuple[str, str], float]:
     """Run each page's calls (``(page, call, devices)``, a page's in the order given) in a
     pool of `workers` processes (default: one per core), the pages expected to take longest
-    first. Returns the seconds of each call, by ``(page, call)``."""
+    first. Returns the seconds of each call, by ``(page, call)``.
+
+    One process per core, not one more to take the turn of one waiting for a real run's
+    (`runbook.runtime_peak` runs one at a time): with one more, the hosted build's
+    rehearsal measured a peak of 4.27 GiB summed over its processes, over its 4 GiB."""
     known, seconds = _known(folder), page_seconds or {}
     pages: dict[tuple[str, int], list[str]] = {}
     for page, call, count in calls:
@@ -180,7 +191,7 @@ def prepare(
     todo = sorted(pages.items(), key=lambda item: -expected(item))
     if not todo:
         return {}
-    workers = min(workers or (os.cpu_count() or 1) + 1, len(todo))
+    workers = min(workers or os.cpu_count() or 1, len(todo))
     count = sum(len(mine) for _, mine in todo)
     say(f"prepare: {count} calls that {len(todo)} pages declare, in {workers} processes")
     start = time.perf_counter()
