@@ -78,6 +78,7 @@ def test_modules_are_the_runbook_chains() -> None:
 
 def test_a_pages_calls_run_with_its_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RUNBOOK_PAGE", "")  # run_page names the page here
+    monkeypatch.setenv("RUNBOOK_PREPARE", "")
     two = "__import__('jax').device_count() == 2 or 1 / 0"
     [(_, error)] = runbook_prepare.run_page("p", [two], 2)
     assert error is None

@@ -134,6 +134,7 @@ def run_page(page: str, calls: Sequence[str], count: int = 1) -> list[tuple[floa
         lost = f"the page's process failed: {done.stderr.strip()[-300:]}"
         return [(time.perf_counter() - start, lost)] * len(calls)
     os.environ["RUNBOOK_PAGE"] = page  # whose entries these are (runbook._cache.PAGE_VAR)
+    os.environ["RUNBOOK_PREPARE"] = "1"  # and made before it ran (docs/_tools/tree_memory.py)
     out: list[tuple[float, str | None]] = []
     for call in calls:
         start = time.perf_counter()

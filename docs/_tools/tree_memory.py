@@ -39,13 +39,15 @@ def _rollup(pid: int) -> dict[str, int]:
 
 def page_of(pid: int) -> str | None:
     """The docs page a process works for: the `RUNBOOK_PAGE` its environment inherited (the
-    docs extension sets it before a page's kernel starts), or None."""
+    docs extension sets it before a page's kernel starts), or None; "PAGE (pre-pass)" for
+    the processes its declared calls started before the pages ran (`RUNBOOK_PREPARE`)."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
     found = next((e for e in env if e.startswith(b"RUNBOOK_PAGE=")), None)
-    return found.split(b"=", 1)[1].decode() if found else None
+    page = found.split(b"=", 1)[1].decode() if found else None
+    return f"{page} (pre-pass)" if page and b"RUNBOOK_PREPARE=1" in env else page
 
 
 def sample(root: int, pages: dict[str, int] | None = None) -> tuple[int, int, int]:
