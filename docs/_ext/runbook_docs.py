@@ -277,27 +277,38 @@ def _process_docstring(app: Any, what: str, name: str, obj: Any, options: Any, l
 
 
 # Pages that read every case's measurements run last, so that they find them in the
-# measurement cache; case pages, the heaviest, run first. The diagnose page, which measures
-# every case too, comes after them: its corpus, minutes of work of its own, is measured
-# before any page runs (`runbook_prepare`).
-_ORDER = {"cases/": 0, "diagnose": 1, "index": 2, "versions": 2, "status": 3}
+# measurement cache; case pages, the heaviest, run first. The diagnose page starts before
+# them: it diagnoses the corpus, minutes of work of its own, which behind the case pages
+# was the build's last page, running on one core while the others idled. With the
+# pre-pass (`PREPARE_VAR`), which measures the corpus before any page, it comes after them.
+_ORDER = {"diagnose": -1, "cases/": 0, "index": 2, "versions": 2, "status": 3}
+# The measurement pre-pass (`runbook_prepare`) runs only when this is "1": on a 2-core
+# machine it made the cold build slower (494 s against 404 s), the build being CPU-bound.
+PREPARE_VAR = "RUNBOOK_PREPARE"
 
 
-def _priority(docname: str) -> int:
+def _priority(docname: str, prepared: bool) -> int:
+    if prepared and docname == "diagnose":
+        return 1
     return next((v for k, v in _ORDER.items() if docname.startswith(k)), 1)
 
 
-def read_order(docnames: Sequence[str], seconds: Mapping[str, float]) -> list[str]:
-    """The order to execute pages in: case pages, other pages, then the pages that read
-    every case; within each, the longest first (by `seconds`, each page's last execution
-    time).
+def read_order(
+    docnames: Sequence[str], seconds: Mapping[str, float], prepared: bool = False
+) -> list[str]:
+    """The order to execute pages in: the diagnose page (after the case pages when the
+    pre-pass has measured its corpus: `prepared`), case pages, other pages, then the pages
+    that read every case; within each, the longest first (by `seconds`, each page's last
+    execution time).
 
     Examples:
-        >>> read_order(["status", "index", "guide", "cases/a", "cases/b", "diagnose"],
-        ...            {"cases/b": 90, "diagnose": 60})
+        >>> pages = ["status", "index", "guide", "cases/a", "cases/b", "diagnose"]
+        >>> read_order(pages, {"cases/b": 90})
+        ['diagnose', 'cases/b', 'cases/a', 'guide', 'index', 'status']
+        >>> read_order(pages, {"cases/b": 90, "diagnose": 60}, prepared=True)
         ['cases/b', 'cases/a', 'diagnose', 'guide', 'index', 'status']
     """
-    return sorted(docnames, key=lambda d: (_priority(d), -seconds.get(d, 0.0), d))
+    return sorted(docnames, key=lambda d: (_priority(d, prepared), -seconds.get(d, 0.0), d))
 
 
 def one_page_a_chunk(arguments: Sequence[str], nproc: int, maxbatch: int = 10) -> list[list[str]]:
@@ -331,7 +342,12 @@ def _order_reads(app: Any, env: Any, docnames: list[str]) -> None:
     # A rebuild knows each page's time from the build before; a first build takes the
     # times of the cold build that the committed benchmark timed.
     seconds = page_seconds(env) or _benchmark(app).get("docs_page_seconds", {})
-    docnames[:] = read_order(docnames, seconds)
+    docnames[:] = read_order(docnames, seconds, prepared=_preparing())
+
+
+def _preparing() -> bool:
+    """Whether this build runs the measurement pre-pass (`PREPARE_VAR`) into a cache."""
+    return os.environ.get(PREPARE_VAR) == "1" and bool(os.environ.get("RUNBOOK_CACHE_DIR"))
 
 
 def _benchmark(app: Any) -> dict[str, Any]:
@@ -345,9 +361,9 @@ def _prepare(app: Any, env: Any, docnames: list[str]) -> None:
     (`runbook_prepare`): measured into the cache, which the pages then read."""
     import runbook_prepare  # docs/_ext, beside this module
 
-    folder = os.environ.get("RUNBOOK_CACHE_DIR")
-    if not folder:  # no cache: what the pre-pass measured would not reach the pages
+    if not _preparing():  # without a cache, what it measured would not reach the pages
         return
+    folder = os.environ["RUNBOOK_CACHE_DIR"]
     # For a first build's order: how long each page's measurements took, wherever they
     # were made (the measurement cache's profile of the benchmark's build).
     measuring = (_benchmark(app).get("docs_profile") or {}).get("by_page", {})

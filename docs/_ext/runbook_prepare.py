@@ -8,11 +8,19 @@ A page lists, in its front matter, the slow calls of its own code::
         - runbook.verify("donation")
         - runbook.site.donation.peaks()
 
-Before Sphinx executes the pages it is about to read, the docs extension makes the calls
+With ``RUNBOOK_PREPARE=1`` in the build's environment (``RUNBOOK_PREPARE=1 nox -s docs``),
+before Sphinx executes the pages it is about to read, the docs extension makes the calls
 they declare in a pool of worker processes: each page's calls in one process, in order,
 the longest pages first. Each call fills the measurement cache (``RUNBOOK_CACHE_DIR``), and
 the page, making the same call, reads it back: no page spends minutes on work that the
 other cores could share.
+
+It is off by default, as measured: on a 2-core machine, whose build was already CPU-bound
+(761 CPU-seconds in a 404 s cold build), it made the cold build slower (494 s; 437 s with
+one process more than cores, which took the hosted build's rehearsal past its 4 GiB).
+What it gains there: no page longer than about a minute, against 169 s for the diagnose
+page without it. Where cores outnumber the work's long pages it should pay; that is not
+measured.
 
 What to declare: calls whose work the page's other cells do not repeat. Real runs (each in
 a process of its own), fix checks and the diagnose corpus are. A seed-scale compile is
