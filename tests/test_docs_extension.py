@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+import sys
 import time
 
 import pytest
@@ -14,6 +15,9 @@ from runbook.site.producers.bench import docs_extension
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 runbook_docs = docs_extension()
+# Under its name, as Sphinx imports it: the pre-pass module (tests/test_prepare.py) imports it
+# so, and two copies would leave `doctest.testmod` finding none of this one's examples.
+sys.modules["runbook_docs"] = runbook_docs
 
 JAX = {
     "jax": "1",

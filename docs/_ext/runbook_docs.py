@@ -115,29 +115,18 @@ def input_hashes(root: pathlib.Path, docs: pathlib.Path, env: Mapping[str, Any])
 _FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.DOTALL)
 
 
+def front_block(page: pathlib.Path) -> dict[str, Any]:
+    """The ``runbook:`` block of a page's YAML front matter, or {}."""
+    import yaml  # MyST's own dependency: it reads the same front matter
+
+    match = _FRONT.match(page.read_text())
+    front = yaml.safe_load(match[1]) if match else None
+    return (front or {}).get("runbook") or {}
+
+
 def declared(page: pathlib.Path) -> dict[str, list[str] | str]:
     """The ``runbook:`` block of a page's front matter: its cases and data folders."""
-    match = _FRONT.match(page.read_text())
-    block = {}
-    if match:
-        lines = match[1].splitlines()
-        inside = False
-        for line in lines:
-            if line.startswith("runbook:"):
-                inside = True
-                continue
-            if inside and line.startswith("    "):
-                continue  # a list's items, below its key (`runbook_prepare` reads them)
-            if inside and line.startswith("  ") and ":" in line:
-                key, _, value = line.strip().partition(":")
-                value = value.strip()
-                block[key] = (
-                    [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-                    if value.startswith("[")
-                    else value
-                )
-            elif inside:
-                break
+    block = front_block(page)
     return {"cases": block.get("cases", ALL), "data": block.get("data", ALL)}
 
 
@@ -359,10 +348,10 @@ def _benchmark(app: Any) -> dict[str, Any]:
 def _prepare(app: Any, env: Any, docnames: list[str]) -> None:
     """Run the slow calls the pages about to execute declare, on every core, before them
     (`runbook_prepare`): measured into the cache, which the pages then read."""
-    import runbook_prepare  # docs/_ext, beside this module
-
     if not _preparing():  # without a cache, what it measured would not reach the pages
         return
+    import runbook_prepare  # docs/_ext, beside this module
+
     folder = os.environ["RUNBOOK_CACHE_DIR"]
     # For a first build's order: how long each page's measurements took, wherever they
     # were made (the measurement cache's profile of the benchmark's build).

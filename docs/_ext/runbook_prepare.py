@@ -56,25 +56,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
-_FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.DOTALL)
+from runbook_docs import front_block  # the docs extension, beside this module
+
 _CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SECONDS = "prepare.tsv"  # in the cache folder: each call's seconds when it was last made
 
 
-def _block(page: pathlib.Path) -> dict[str, Any]:
-    """The ``runbook:`` block of a page's front matter."""
-    import yaml
-
-    match = _FRONT.match(page.read_text())
-    front = yaml.safe_load(match[1]) if match else None
-    return (front or {}).get("runbook") or {}
-
-
 def declared(page: pathlib.Path) -> list[str]:
     """The calls a page's front matter lists under ``runbook: prepare:``."""
-    calls = _block(page).get("prepare") or []
+    calls = front_block(page).get("prepare") or []
     if not isinstance(calls, list) or not all(isinstance(c, str) for c in calls):
         raise ValueError(f"{page}: runbook: prepare: must be a list of calls")
     return calls
@@ -82,7 +73,7 @@ def declared(page: pathlib.Path) -> list[str]:
 
 def devices(page: pathlib.Path) -> int:
     """The host devices the page's kernel forces (``runbook: devices:``), else 1."""
-    return int(_block(page).get("devices", 1))
+    return int(front_block(page).get("devices", 1))
 
 
 def device_flags(count: int) -> str:
@@ -186,10 +177,10 @@ def prepare(
     rehearsal measured a peak of 4.27 GiB summed over its processes, over its 4 GiB."""
     known, seconds = _known(folder), page_seconds or {}
     pages: dict[tuple[str, int], list[str]] = {}
-    for page, call, count in calls:
-        pages.setdefault((page, count), [])
-        if call not in pages[page, count]:
-            pages[page, count].append(call)
+    for page, call, n in calls:
+        mine = pages.setdefault((page, n), [])
+        if call not in mine:
+            mine.append(call)
 
     def expected(item: tuple[tuple[str, int], list[str]]) -> float:
         (page, _), mine = item  # the calls' times when last made here, else the page's time
