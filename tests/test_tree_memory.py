@@ -48,3 +48,32 @@ def test_a_process_that_has_gone_holds_nothing():
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
     assert sample(done.pid) == (0, 0, 0)
+
+
+# A page's kernel that starts a child burning CPU_SECONDS of CPU, waits for it, then idles.
+CPU_SECONDS = 1.5
+BURN = (
+    f"import time; end = time.process_time() + {CPU_SECONDS}\nwhile time.process_time() < end: pass"
+)
+KERNEL = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {BURN!r}]); time.sleep(30)"
+
+
+def test_a_pages_cpu_counts_a_child_it_has_reaped_and_the_build_counts_the_page():
+    # The build's root is a shell that is no page's, as Sphinx is; the kernel below it is.
+    env = {**os.environ, "RUNBOOK_PAGE": "cases/busy-page"}
+    with subprocess.Popen([sys.executable, "-c", KERNEL], env=env) as proc:
+        peak = Peak()
+        try:
+            with watching(os.getpid(), peak, every=0.2):
+                deadline = time.monotonic() + 20
+                while (
+                    peak.cpu.get("cases/busy-page", 0) < CPU_SECONDS and time.monotonic() < deadline
+                ):
+                    time.sleep(0.2)
+                time.sleep(0.5)  # samples after the child has gone: its time is its parent's
+        finally:
+            proc.kill()
+    # Once, not twice: the child's seconds, seen live and then in its parent's reaped time.
+    assert CPU_SECONDS <= peak.cpu["cases/busy-page"] < CPU_SECONDS + 1.0
+    assert peak.cpu_total >= peak.cpu["cases/busy-page"]
+    assert "the pages that used the most CPU, in seconds: cases/busy-page" in str(peak)
