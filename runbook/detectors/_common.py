@@ -26,12 +26,21 @@ def source_of(program: Program, inst: Instruction) -> Instruction:
     return inst
 
 
+def _parameters(program: Program) -> dict[int, Parameter]:
+    """The program's inputs by HLO parameter number (the first, where two share one)."""
+    found: dict[int, Parameter] = {}
+    for p in program.parameters:
+        found.setdefault(p.number, p)
+    return found
+
+
 def entry_parameter(program: Program, inst: Instruction) -> Parameter | None:
     """The program input `inst` is (through bitcasts and copies), or None."""
     inst = source_of(program, program.outside(inst))
     if inst.opcode != "parameter" or inst.computation != program.module.entry:
         return None
-    return next((p for p in program.parameters if p.number == inst.parameter_number), None)
+    number = inst.parameter_number
+    return None if number is None else program.shared(_parameters).get(number)
 
 
 # What moves or re-types an input on its way to a product: a cast to bfloat16, a transpose,
@@ -90,7 +99,8 @@ class StatePair:
 
 
 def state_pairs(program: Program) -> list[StatePair]:
-    """Outputs that update an input of the same shape and dtype (``p - lr * g``, ``b * m``).
+    """Outputs that update an input of the same shape and dtype (``p - lr * g``, ``b * m``),
+    found once per program (several detectors ask).
 
     An output is paired with an input of its shape that the instruction computing it reads
     directly (a fusion's operands count): a new value computed from the old one. Outputs
@@ -98,6 +108,10 @@ def state_pairs(program: Program) -> list[StatePair]:
     where an output reads several candidates (``m`` and ``g`` in ``0.9 * m + 0.1 * g``),
     the one fewest outputs read is its state (``g`` feeds several updates, ``m`` one).
     """
+    return program.shared(_state_pairs)
+
+
+def _state_pairs(program: Program) -> list[StatePair]:
     candidates: list[tuple[tuple[int, ...], Instruction, list[Parameter]]] = []
     for index, inst in program.outputs():
         if not inst.shape.is_array or entry_parameter(program, inst) is not None:
