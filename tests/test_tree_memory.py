@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "_tools"))
 
-from tree_memory import Peak, sample, watching
+from tree_memory import Peak, page_of, sample, watching
 
 HOLD = 256 * 2**20
 # A parent that starts a child holding HOLD bytes of its own pages, then waits for it.
@@ -77,3 +77,20 @@ def test_a_pages_cpu_counts_a_child_it_has_reaped_and_the_build_counts_the_page(
     assert CPU_SECONDS <= peak.cpu["cases/busy-page"] < CPU_SECONDS + 1.0
     assert peak.cpu_total >= peak.cpu["cases/busy-page"]
     assert "the pages that used the most CPU, in seconds: cases/busy-page" in str(peak)
+
+
+def test_a_pre_pass_worker_is_told_from_a_page_kernel_of_a_build_with_the_pre_pass_on():
+    # The build's switch (RUNBOOK_PREPARE=1) reaches every process, the pages' kernels too;
+    # only the pre-pass's own workers say so (docs/_ext/runbook_prepare.py's WORKER).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "_ext"))
+    import runbook_prepare
+
+    labels = {}
+    for value in ("1", runbook_prepare.WORKER):
+        env = {**os.environ, "RUNBOOK_PAGE": "cases/a-page", "RUNBOOK_PREPARE": value}
+        with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env) as p:
+            try:
+                labels[value] = page_of(p.pid)
+            finally:
+                p.kill()
+    assert labels == {"1": "cases/a-page", runbook_prepare.WORKER: "cases/a-page (pre-pass)"}

@@ -57,10 +57,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from runbook_docs import front_block  # the docs extension, beside this module
+from runbook_docs import PREPARE_VAR, front_block  # the docs extension, beside this module
 
 _CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SECONDS = "prepare.tsv"  # in the cache folder: each call's seconds when it was last made
+# What a worker sets PREPARE_VAR to: not "1", the build's switch, which every process of a
+# build run with it inherits, page kernels included (docs/_tools/tree_memory.py tells them apart).
+WORKER = "pre-pass"
 
 
 def declared(page: pathlib.Path) -> list[str]:
@@ -133,7 +136,7 @@ def run_page(page: str, calls: Sequence[str], count: int = 1) -> list[tuple[floa
         lost = f"the page's process failed: {done.stderr.strip()[-300:]}"
         return [(time.perf_counter() - start, lost)] * len(calls)
     os.environ["RUNBOOK_PAGE"] = page  # whose entries these are (runbook._cache.PAGE_VAR)
-    os.environ["RUNBOOK_PREPARE"] = "1"  # and made before it ran (docs/_tools/tree_memory.py)
+    os.environ[PREPARE_VAR] = WORKER  # and made before it ran
     out: list[tuple[float, str | None]] = []
     for call in calls:
         start = time.perf_counter()

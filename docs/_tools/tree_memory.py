@@ -54,14 +54,15 @@ def cpu_seconds(pid: int) -> float:
 def page_of(pid: int) -> str | None:
     """The docs page a process works for: the `RUNBOOK_PAGE` its environment inherited (the
     docs extension sets it before a page's kernel starts), or None; "PAGE (pre-pass)" for
-    the processes its declared calls started before the pages ran (`RUNBOOK_PREPARE`)."""
+    the processes its declared calls started before the pages ran (`RUNBOOK_PREPARE` set to
+    the pre-pass worker's "pre-pass", not the build's switch "1", which page kernels inherit)."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
     found = next((e for e in env if e.startswith(b"RUNBOOK_PAGE=")), None)
     page = found.split(b"=", 1)[1].decode() if found else None
-    return f"{page} (pre-pass)" if page and b"RUNBOOK_PREPARE=1" in env else page
+    return f"{page} (pre-pass)" if page and b"RUNBOOK_PREPARE=pre-pass" in env else page
 
 
 def sample(
