@@ -90,7 +90,11 @@ def test_a_pre_pass_worker_is_told_from_a_page_kernel_of_a_build_with_the_pre_pa
         env = {**os.environ, "RUNBOOK_PAGE": "cases/a-page", "RUNBOOK_PREPARE": value}
         with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env) as p:
             try:
-                labels[value] = page_of(p.pid)
+                # Until the child has exec'd, /proc may show the parent's environment.
+                deadline = time.monotonic() + 20
+                while (label := page_of(p.pid)) is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                labels[value] = label
             finally:
                 p.kill()
     assert labels == {"1": "cases/a-page", runbook_prepare.WORKER: "cases/a-page (pre-pass)"}
