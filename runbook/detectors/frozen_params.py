@@ -25,7 +25,7 @@ from .._buffers import Buffer
 from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Parameter, Program, finding
 from .._render import fmt_bytes
-from ._common import entry_parameter, state_pairs
+from ._common import entry_parameter, from_backward, state_pairs
 
 MIN_SHARE = 0.05  # of the program's total
 PATTERN = "frozen parameters differentiated"
@@ -188,7 +188,7 @@ def _zeroed(program: Program, useless: set[str], kept: set[str]) -> _Zeroed:
         and i.opcode not in ("parameter", "constant", "get-tuple-element", "tuple")
         and i.shape.is_array
     ]
-    if not any(program.backward_ancestry(i.name) for i in wasted):
+    if not any(from_backward(program, i.name) for i in wasted):
         return _Zeroed([], 0)  # a product with zero, but not of a gradient
     names = {i.name for i in wasted}
     kept_alive = []
@@ -237,7 +237,7 @@ def _kept_state(program: Program) -> list[Instruction]:
         key = (pair.output.shape.dtype, pair.output.shape.dims)
         if (
             key in unchanged
-            and program.backward_ancestry(pair.output.name)
+            and from_backward(program, pair.output.name)
             and _unchanged(program, pair.output) is None  # a frozen parameter itself
         ):
             fed.setdefault(key, []).append(pair.output)
@@ -252,9 +252,22 @@ def _kept_state(program: Program) -> list[Instruction]:
     return found
 
 
+def _unchanged_found(program: Program) -> dict[str, Parameter | None]:
+    """`_unchanged`'s answers so far, by instruction (it is asked of each output, and of
+    each state update, by more than one test)."""
+    return {}
+
+
 def _unchanged(program: Program, inst: Instruction) -> Parameter | None:
     """The input `inst` returns unchanged: passed through, or plus something times zero
     (``p - 0.0 * update``, a zero learning rate)."""
+    found = program.shared(_unchanged_found)
+    if inst.name not in found:
+        found[inst.name] = _decide_unchanged(program, inst)
+    return found[inst.name]
+
+
+def _decide_unchanged(program: Program, inst: Instruction) -> Parameter | None:
     param = entry_parameter(program, inst)
     if param is not None:
         return param
@@ -277,8 +290,7 @@ def _unchanged(program: Program, inst: Instruction) -> Parameter | None:
         return None  # computed from more than that input: not the input plus zero
     if not program.entry_parameters_of(inst.name) - scalars - {found[0].parameter_number}:
         return None  # computed from that input alone: an update, not a product with zero
-    number = found[0].parameter_number
-    return next((p for p in program.parameters if p.number == number), None)
+    return entry_parameter(program, found[0])
 
 
 def _computed(inst: Instruction) -> bool:
@@ -319,7 +331,7 @@ def _see(program: Program) -> _Seen:
         if p.output.shape.nbytes > 8  # a step count is state too, but not a frozen weight
         and not _zeros(program, p.output)
         and program.entry_parameters_of(p.output.name) <= state | _scalars(program)
-        and not program.backward_ancestry(p.output.name)
+        and not from_backward(program, p.output.name)
     ]
     names = ", ".join(p.parameter.path for p in untouched[:3])
     names += ", ..." if len(untouched) > 3 else ""

@@ -21,7 +21,7 @@ from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from . import attention_scores, resharding, vmap_materialize, vocab_logits
-from ._common import StatePair, state_pairs
+from ._common import StatePair, from_backward, kept_for_backward, state_pairs
 
 MIN_SHARE = 0.40  # of the program's total, held at once by the batch's activations
 MAX_EVIDENCE = 6
@@ -45,7 +45,7 @@ def rule() -> str:
 def _batch(program: Program) -> tuple[set[int], set[int]]:
     """The step's state inputs, and its batch: the other inputs of two dimensions or more
     whose leading axis, the examples, could be split (a batch of one cannot)."""
-    state = {p.parameter.number for p in program.shared(state_pairs)}
+    state = {p.parameter.number for p in state_pairs(program)}
     batch = {
         p.number
         for p in program.parameters
@@ -60,9 +60,9 @@ def batch_statistics(program: Program) -> list[StatePair]:
     _, batch = _batch(program)
     return [
         p
-        for p in program.shared(state_pairs)
+        for p in state_pairs(program)
         if batch & program.entry_parameters_of(p.output.name)
-        and not program.backward_ancestry(p.output.name)
+        and not from_backward(program, p.output.name)
     ]
 
 
@@ -84,7 +84,7 @@ def activations(program: Program) -> tuple[list[tuple[Value, Instruction]], int]
         inst = program.module.get(v.instruction)
         if v.kind != "temp" or inst is None or (v.instruction, v.index) in claimed:
             continue
-        if program.in_loop(inst) or not program.read_by_backward(inst.name):
+        if inst.name not in program.shared(kept_for_backward):
             continue  # in a loop: one micro-batch's, or a scan's (scan-residuals')
         if batch & program.entry_parameters_of(inst.name):
             chosen.append((v, inst))

@@ -29,6 +29,7 @@ import jax
 from .._hlo import Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
+from ._common import kept_for_backward
 from .prng_temporaries import _UNSIGNED, _makes_floats_from_bits
 from .resharding import whole
 from .sharding_replicated import replicated_state
@@ -67,9 +68,34 @@ _ELEMENTWISE_TUPLES = {"tuple", "all-reduce", "all-reduce-start", "all-gather",
                        "all-gather-start", "reduce-scatter", "all-to-all"}  # fmt: skip
 
 
+def _tuple_positions(program: Program) -> dict[str, dict[str, int]]:
+    """Each instruction of `_ELEMENTWISE_TUPLES` with several operands -> each operand's
+    first position among them (a program's output tuple has hundreds to look through)."""
+    found: dict[str, dict[str, int]] = {}
+    for inst in program.module.instructions.values():
+        if inst.opcode in _ELEMENTWISE_TUPLES and len(inst.operands) > 1:
+            first: dict[str, int] = {}
+            for k, operand in enumerate(inst.operands):
+                first.setdefault(operand, k)
+            found[inst.name] = first
+    return found
+
+
+def _elements(program: Program) -> dict[str, int | None]:
+    """Each get-tuple-element -> the element it reads (read from its text once: a loop's
+    tuple can have hundreds, each passed at every walk through it)."""
+    return {
+        inst.name: inst.tuple_index
+        for inst in program.module.instructions.values()
+        if inst.opcode == "get-tuple-element"
+    }
+
+
 def _outputs_reached(program: Program, name: str, outputs: dict[str, set[int]]) -> set[int]:
     """The program's outputs (by position) that `name` feeds, through any chain of users."""
     users = program.module.users
+    positions = program.shared(_tuple_positions)
+    elements = program.shared(_elements)
     reached: set[int] = set()
     # (instruction, the tuple element that carries `name`'s value, or None for all of it)
     stack: list[tuple[str, int | None]] = [(name, None)]
@@ -81,13 +107,13 @@ def _outputs_reached(program: Program, name: str, outputs: dict[str, set[int]]) 
         for user in users.get(n, ()):
             nxt: tuple[str, int | None]
             if element is not None and user.opcode == "get-tuple-element":
-                if user.tuple_index != element:
+                if elements[user.name] != element:
                     continue
                 nxt = (user.name, None)
             elif element is not None and user.opcode.endswith("-done"):
                 nxt = (user.name, element)
             elif element is None and user.opcode in _ELEMENTWISE_TUPLES and len(user.operands) > 1:
-                nxt = (user.name, user.operands.index(n))
+                nxt = (user.name, positions[user.name][n])
             else:
                 nxt = (user.name, None)
             if nxt not in seen:
@@ -117,8 +143,9 @@ def _per_output(program: Program, names: set[str], outputs: dict[str, set[int]])
 
 
 def _repeats(program: Program) -> list[_Group]:
-    """Each line's same-shape temporaries repeated at least twice: (shape, source line,
-    values, the members computed from no other member, how many are live at once)."""
+    """Each line's same-shape temporaries repeated at least twice, at least two of them
+    computed independently and live at once, and not returned one by one: (shape, source
+    line, values, the members computed from no other member, how many are live at once)."""
     groups: dict[tuple[str, str], list[Value]] = defaultdict(list)
     bits = _makes_floats_from_bits(program)
     computed_whole = whole(program)
@@ -126,7 +153,7 @@ def _repeats(program: Program) -> list[_Group]:
         inst = program.module.get(v.instruction)
         if v.kind != "temp" or inst is None or program.in_loop(inst):
             continue
-        if program.read_by_backward(v.instruction):
+        if v.instruction in program.shared(kept_for_backward):
             continue  # a residual the gradient keeps: a rolled loop would stack it too
         if bits and v.shape.split("[")[0] in _UNSIGNED:
             continue  # random bits (dropout's, one draw per layer): prng-temporaries' own
@@ -145,14 +172,16 @@ def _repeats(program: Program) -> list[_Group]:
         names = {v.instruction for v in values}
         if len(names) < 2:
             continue
+        size = max(v.size for v in values)
+        together = program.peak(values) // size if size else 0
+        if together < 2:
+            continue  # one at a time: no loop to roll (the cheap test first)
         # The iterations: members computed from no other member. In a chain (the layers
         # of a network) only the first is; in an unrolled loop of independent iterations
         # every iteration's first value is.
         starts = names - program.module.dependent(names)
-        if len(starts) >= 2 and _per_output(program, starts, outputs):
-            continue
-        size = max(v.size for v in values)
-        together = program.peak(values) // size if size else 0
+        if len(starts) < 2 or _per_output(program, starts, outputs):
+            continue  # a chain, or values the program returns one by one
         out.append((shape, source, values, starts, together))
     return out
 
@@ -162,8 +191,6 @@ def near_miss(program: Program) -> NearMiss | None:
     best: NearMiss | None = None
     for shape, source, values, starts, together in program.shared(_repeats):
         nbytes = program.peak(values)
-        if len(starts) < 2 or together < 2:
-            continue  # a chain (the layers of a network) or one at a time: no loop to roll
         if len(starts) >= MIN_REPEATS and together >= MIN_REPEATS:
             if nbytes >= MIN_SHARE * program.total:
                 continue  # named (or part of a finding)
