@@ -161,3 +161,35 @@ def test_the_closest_case_is_rendered_with_why_it_was_not_named(unnamed):
     assert closest.bytes < 0.25 * unnamed.report.total
     assert f"Closest: {closest.case}" in str(unnamed)
     assert f"Closest: {closest.case}" in unnamed._repr_html_()
+
+
+def test_a_target_programs_diagnosis_is_read_from_the_store_keyed_by_the_detectors(
+    tmp_path, monkeypatch
+):
+    import importlib
+
+    from runbook import _cache
+    from runbook.site.producers import store
+
+    # The module (the package's `evaluate` is its function).
+    evaluate = importlib.import_module("runbook.site.corpus.evaluate")
+
+    entry = next(e for e in corpus.entries() if e.target is not None and e.devices == 1)
+    request = evaluate._request(entry)
+    value = {"name": entry.name, "cases": [], "informational": [], "shares": {}, "total": 1,
+             "seconds": 0.0, "provenance": "read from the store"}  # fmt: skip
+    store.write({_cache.store_key(request): {"module": None, "request": request, "value": value}},
+                tmp_path)  # fmt: skip
+    monkeypatch.delenv(_cache.ENV_VAR, raising=False)
+    monkeypatch.setenv(_cache.STORE_VAR, str(tmp_path))
+
+    def compiled(name):
+        raise AssertionError(f"{name} was diagnosed again")
+
+    monkeypatch.setattr(evaluate, "diagnose_entry", compiled)
+    [outcome] = evaluate.evaluate([entry.name])
+    assert outcome.provenance == "read from the store"
+    # Another detector's source is another key: the stored diagnosis is not read.
+    monkeypatch.setattr(_cache, "detectors_hash", lambda: "another detector")
+    with pytest.raises(AssertionError, match="diagnosed again"):
+        evaluate.evaluate([entry.name])
