@@ -168,13 +168,15 @@ def test_a_target_programs_diagnosis_is_read_from_the_store_keyed_by_the_detecto
 ):
     import importlib
 
-    from runbook import _cache
+    from runbook import _cache, _targets
     from runbook.site.producers import store
 
     # The module (the package's `evaluate` is its function).
     evaluate = importlib.import_module("runbook.site.corpus.evaluate")
-
-    entry = next(e for e in corpus.entries() if e.target is not None and e.devices == 1)
+    ready = [e for e in corpus.entries() if e.target and not _targets.unavailable(e.target)]
+    if not ready:
+        pytest.skip("no GPU or TPU compiler installed: no corpus program is diagnosed for one")
+    entry = next(e for e in ready if e.devices == 1)
     request = evaluate._request(entry)
     value = {"name": entry.name, "cases": [], "informational": [], "shares": {}, "total": 1,
              "seconds": 0.0, "provenance": "read from the store"}  # fmt: skip
