@@ -88,9 +88,12 @@ def _per_case(path: pathlib.Path) -> bool:
 
 # The store's own producer runs after a build, never inside one: editing it changes no figure.
 _STORE_PRODUCER = PACKAGE / "site" / "producers" / "store.py"
-# What runs programs for real on this machine (real peaks, the host's memory, their turns):
-# no compile for a target executes it, so the stores do not depend on it (`run_hash`).
-_RUN_ONLY = (PACKAGE / "_runtime.py", PACKAGE / "_host.py")
+# What runs programs for real on this machine (real peaks, the host's memory, their turns)
+# and starts the children they run in: no compile for a target executes it, nor depends on
+# how its process started, so the stores do not depend on it (`run_hash`).
+_RUN_ONLY = tuple(
+    PACKAGE / f for f in ("_runtime.py", "_host.py", "_subprocess.py", "_forkserver.py")
+)
 
 
 @functools.cache

@@ -6,6 +6,9 @@ CPU: the process's resident-set high-water mark during the run, minus the reside
 before the inputs were made. It includes the inputs, the outputs, XLA's temporaries and
 anything the runtime allocates on the side (thread-pool stacks, kernel scratch); it counts
 all simulated devices together, so we divide by the device count for a per-device figure.
+A child forked from `runbook._forkserver` maps the shared libraries' code afresh, page by
+page as it runs: the pages the run touches count, a few MiB more than in a new Python,
+which touched them while importing, before the resident set was read.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Run a function of this package in a fresh Python process.
+"""Run a function of this package in a fresh process: forked from a server that has imported
+JAX and started nothing (`runbook._forkserver`), or a new Python.
 
 Two reasons to do so: forcing several host devices, which must happen before JAX starts,
 and measuring a real peak, which must not be polluted by anything this process did.
@@ -13,9 +14,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from . import _forkserver
 from ._errors import RunbookError, WontFitError
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -100,26 +104,39 @@ def call(target: str, /, *, devices: int = 1, timeout: float = 1800, **kwargs: A
             "children without end (this is a bug in the runbook; please report it)"
         )
     request = json.dumps({"target": target, "kwargs": kwargs})
-    proc = subprocess.run(
-        [sys.executable, "-m", "runbook._subprocess", request],
-        env=child_env(devices),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    lines = proc.stdout.strip().splitlines()
-    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-    if proc.returncode < 0:
-        raise ChildCrashed(target, _signal_name(proc.returncode), tail)
-    if proc.returncode != 0 or not lines:
-        raise RunbookError(f"child process for {target} failed (exit {proc.returncode}):\n{tail}")
+    returncode, stdout, stderr = _run(request, child_env(devices), timeout)
+    lines = stdout.strip().splitlines()
+    tail = "\n".join(stderr.strip().splitlines()[-15:])
+    if returncode < 0:
+        raise ChildCrashed(target, _signal_name(returncode), tail)
+    if returncode != 0 or not lines:
+        raise RunbookError(f"child process for {target} failed (exit {returncode}):\n{tail}")
     reply = json.loads(lines[-1])
     if "error" in reply:
         raise (WontFitError if reply.get("kind") == "WontFitError" else RunbookError)(
             reply["error"]
         )
     return reply["result"]
+
+
+def _run(request: str, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """Run `_main(request)` in a child under `env`: (exit status, stdout, stderr). Forked from
+    this process's `runbook._forkserver` where it has one, else a fresh Python."""
+    if _forkserver.enabled():
+        with tempfile.TemporaryDirectory(prefix="runbook-child-") as folder:
+            out, err = str(Path(folder) / "out"), str(Path(folder) / "err")
+            try:
+                code = _forkserver.server(env).run(request, env, out, err, timeout)
+            except ConnectionError:
+                pass  # the server could not start, or died: a fresh Python does the same
+            else:
+                with open(out) as o, open(err) as e:
+                    return code, o.read(), e.read()
+    proc = subprocess.run(
+        [sys.executable, "-m", "runbook._subprocess", request],
+        env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def _main(request: str) -> None:

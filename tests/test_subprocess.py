@@ -1,11 +1,15 @@
-"""Children: a crash inside one (XLA's, here a real signal) is a result, never the caller's end."""
+"""Children: a crash inside one (XLA's, here a real signal) is a result, never the caller's end;
+forked from one server, each with its caller's devices and environment."""
 
 from __future__ import annotations
+
+import os
+import subprocess
 
 import pytest
 
 import runbook
-from runbook import _subprocess
+from runbook import _forkserver, _subprocess
 from runbook.cases import pmap_loop
 from runbook.site import gather_grad
 
@@ -66,3 +70,48 @@ def test_a_trial_of_options_on_a_multi_device_case_measures_in_one_child():
     result = runbook.measure_case("pmap-loop", "tiny", compiler_options={}, at={"iterations": 1})
     assert {r.name for r in result.reports} == {v.name for v in pmap_loop.CASE.variants}
     assert result.provenance.devices == pmap_loop.DEVICES
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """A module the children import: where they run, and a child that takes its time."""
+    (tmp_path / "forkserver_probe.py").write_text(
+        "import os, time\n\n"
+        "def where():\n"
+        "    import jax\n"
+        "    return [len(jax.devices()), os.getppid(), os.environ.get('PROBE_SAYS')]\n\n"
+        "def sleep(seconds):\n"
+        "    time.sleep(seconds)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return "forkserver_probe"
+
+
+@pytest.mark.skipif(not _forkserver.enabled(), reason="the fork server is Linux's")
+def test_children_fork_from_one_server_each_with_the_callers_devices_and_environment(
+    probe, monkeypatch
+):
+    monkeypatch.setenv("PROBE_SAYS", "a")
+    seen = [_subprocess.call(f"{probe}:where", devices=n) for n in (4, 1, 2)]
+    assert [(n, says) for n, _, says in seen] == [(4, "a"), (1, "a"), (2, "a")]
+    parents = {parent for _, parent, _ in seen}
+    assert len(parents) == 1  # one server
+    assert os.getpid() not in parents  # not this process
+    # Another environment (read at import, for all it knows): a server of its own.
+    monkeypatch.setenv("PROBE_SAYS", "b")
+    _, parent, says = _subprocess.call(f"{probe}:where")
+    assert says == "b"
+    assert parent not in parents | {os.getpid()}
+    monkeypatch.setenv(_forkserver.SWITCH, "0")
+    assert _subprocess.call(f"{probe}:where")[1] == os.getpid()  # off: a fresh Python
+
+
+@pytest.mark.skipif(not _forkserver.enabled(), reason="the fork server is Linux's")
+def test_a_forked_child_past_its_timeout_is_killed_and_the_server_serves_on(probe):
+    with pytest.raises(subprocess.TimeoutExpired):
+        _subprocess.call(f"{probe}:sleep", timeout=1, seconds=60)
+    server = _forkserver._server
+    assert _subprocess.call(f"{probe}:sleep", seconds=0) is None
+    assert _forkserver._server is server
+    assert server is not None
+    assert server.alive()
