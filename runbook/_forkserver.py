@@ -148,14 +148,17 @@ def server(env: Mapping[str, str]) -> Server:
             return _server
         _server.close()
     if _owner == 0:
-        atexit.register(_close)
+        atexit.register(close)
     _server, _owner = Server(env), os.getpid()
     return _server
 
 
-def _close() -> None:
+def close() -> None:
+    """Close this process's server, if it has one: the next `server` starts another."""
+    global _server
     if _server is not None and _owner == os.getpid():
         _server.close()
+        _server = None
 
 
 def _child(order: Mapping[str, Any]) -> None:

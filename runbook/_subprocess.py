@@ -125,11 +125,13 @@ def _run(request: str, env: dict[str, str], timeout: float) -> tuple[int, str, s
     if _forkserver.enabled():
         with tempfile.TemporaryDirectory(prefix="runbook-child-") as folder:
             out, err = str(Path(folder) / "out"), str(Path(folder) / "err")
-            try:
-                code = _forkserver.server(env).run(request, env, out, err, timeout)
-            except ConnectionError:
-                pass  # the server could not start, or died: a fresh Python does the same
-            else:
+            # Twice: a server that has just left, idle, takes the first order with it.
+            for _ in range(2):
+                try:
+                    code = _forkserver.server(env).run(request, env, out, err, timeout)
+                except ConnectionError:
+                    _forkserver.close()  # a new server; after that, a fresh Python
+                    continue
                 with open(out) as o, open(err) as e:
                     return code, o.read(), e.read()
     proc = subprocess.run(

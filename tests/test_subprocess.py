@@ -115,3 +115,15 @@ def test_a_forked_child_past_its_timeout_is_killed_and_the_server_serves_on(prob
     assert _forkserver._server is server
     assert server is not None
     assert server.alive()
+
+
+@pytest.mark.skipif(not _forkserver.enabled(), reason="the fork server is Linux's")
+def test_a_server_gone_before_the_order_arrives_is_replaced_by_a_new_one(probe, monkeypatch):
+    _, first, _ = _subprocess.call(f"{probe}:where")
+    gone = _forkserver._server
+    assert gone is not None
+    gone.proc.kill()  # as a server that has just left, idle: still taken for alive
+    gone.proc.wait()
+    monkeypatch.setattr(_forkserver.Server, "alive", lambda self: self is gone or True)
+    _, second, _ = _subprocess.call(f"{probe}:where")
+    assert second not in {first, os.getpid()}  # forked, from a new server
