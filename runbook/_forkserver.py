@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -30,6 +31,8 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from ._errors import RunbookError
 
 # Read when a child's backend starts or while it runs, not at import: they may differ per call
 # (pytest names each test in its own).
@@ -83,7 +86,7 @@ class Server:
         return self.proc.poll() is None
 
     def run(self, request: str, env: Mapping[str, str], out: str, err: str, timeout: float) -> int:
-        """Fork a child that runs `request` (`runbook._subprocess._main`) under `env`, its
+        """Fork a child that runs `request` (`answer`) under `env`, its
         stdout and stderr in the files `out` and `err`; return its exit status as
         `subprocess` gives one (``-N`` for signal N).
 
@@ -161,6 +164,21 @@ def close() -> None:
         _server = None
 
 
+def answer(request: str) -> None:
+    """In a child: call the request's ``module:function`` with its keyword arguments and
+    print the JSON reply, ``{"result": ...}`` or, for a `RunbookError`, ``{"error": ...,
+    "kind": ...}`` (`runbook._subprocess.call` reads it)."""
+    spec = json.loads(request)
+    module, _, name = spec["target"].partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    try:
+        result = fn(**spec["kwargs"])
+    except RunbookError as e:
+        print(json.dumps({"error": str(e), "kind": type(e).__name__}))
+        return
+    print(json.dumps({"result": result}))
+
+
 def _child(order: Mapping[str, Any]) -> None:
     """In the forked child: become the caller's child, run the request, exit."""
     code = 1
@@ -173,9 +191,7 @@ def _child(order: Mapping[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(order["env"])
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        from runbook._subprocess import _main
-
-        _main(order["request"])
+        answer(order["request"])
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -208,8 +224,6 @@ def _serve(orders: _Lines, replies: int) -> None:
 
 
 def _main() -> None:
-    import importlib
-
     # numpy's BLAS keeps a thread, and Python warns of any fork beside a thread; OpenBLAS
     # resets its pool in a forked child (pthread_atfork), and nothing else runs yet.
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)

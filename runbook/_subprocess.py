@@ -141,17 +141,5 @@ def _run(request: str, env: dict[str, str], timeout: float) -> tuple[int, str, s
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def _main(request: str) -> None:
-    spec = json.loads(request)
-    module, _, name = spec["target"].partition(":")
-    fn = getattr(importlib.import_module(module), name)
-    try:
-        result = fn(**spec["kwargs"])
-    except RunbookError as e:
-        print(json.dumps({"error": str(e), "kind": type(e).__name__}))
-        return
-    print(json.dumps({"result": result}))
-
-
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _forkserver.answer(sys.argv[1])
