@@ -4,8 +4,9 @@ Starting Python and importing JAX takes most of a second of CPU, and a build or 
 starts a child for every real run, fix check and multi-device measurement: on a 2-core
 machine that adds up to a minute or more. A child forked from this server starts with JAX
 imported and nothing initialised: no backend, no device, no compiled program. It takes the
-caller's environment (``XLA_FLAGS``, read when the backend starts, included) and working
-folder before it runs, and exits without the interpreter's clean-up, as a killed child would.
+caller's environment (``XLA_FLAGS``, read when the backend starts, included) before it
+runs, in the working folder the server and its caller share, and exits without the
+interpreter's clean-up, as a killed child would.
 
 The server belongs to the process that started it (it ends when that process closes its
 pipe) and leaves after `IDLE_SECONDS` without a request, so that it holds no memory between
@@ -95,13 +96,7 @@ class Server:
             subprocess.TimeoutExpired: the child ran past `timeout` s; it was killed.
         """
         assert self.proc.stdin is not None
-        order = {
-            "request": request,
-            "env": dict(env),
-            "cwd": str(Path.cwd()),
-            "out": out,
-            "err": err,
-        }
+        order = {"request": request, "env": dict(env), "out": out, "err": err}
         try:
             self.proc.stdin.write((json.dumps(order) + "\n").encode())
             self.proc.stdin.flush()
@@ -136,6 +131,7 @@ class Server:
 
 
 def _key(env: Mapping[str, str]) -> tuple[Any, ...]:
+    # The working folder too: a server's children run in its own, first on their import path.
     return (str(Path.cwd()), tuple(sorted((k, v) for k, v in env.items() if k not in PER_CALL)))
 
 
@@ -187,7 +183,6 @@ def _child(order: Mapping[str, Any]) -> None:
         os.dup2(null, 0)
         for fd, path in ((1, order["out"]), (2, order["err"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-        os.chdir(order["cwd"])
         os.environ.clear()
         os.environ.update(order["env"])
         signal.signal(signal.SIGINT, signal.SIG_DFL)
