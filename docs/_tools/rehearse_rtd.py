@@ -3,10 +3,10 @@
 A fresh clone of the committed tree (HEAD, as Read the Docs checks out a commit), a fresh
 virtual environment on the Python the file names (`build.tools.python`), then the file's
 `build.jobs` commands in Read the Docs' order, each in a shell with that environment first on
-PATH and `READTHEDOCS_OUTPUT` set. Prints each step's seconds and the total, and fails when
-the total passes Read the Docs' build time limit. Also prints the build step's peak memory,
-every process of it summed (proportional set size, sampled each second), and fails above
-`--memory-limit` GiB (`MEMORY_LIMIT` unless told).
+PATH and `READTHEDOCS_OUTPUT` set, and the installers' caches empty. Prints each step's seconds
+and the total, and fails when the total passes Read the Docs' build time limit. Also prints the
+build step's peak memory, every process of it summed (proportional set size, sampled each
+second), and fails above `--memory-limit` GiB (`MEMORY_LIMIT` unless told).
 
     nox -s rtd                      # what .ci/run runs
     nox -s rtd -- --offline-build   # the build step with no network (loopback only; root)
@@ -83,9 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(checkout)], check=True)
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
         times.append(("checkout and create_environment", time.perf_counter() - start))
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "JAX_PLATFORMS")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("VIRTUAL_ENV", "JAX_PLATFORMS", "UV_COMPILE_BYTECODE")}  # fmt: skip
         env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", READTHEDOCS="True",
                    READTHEDOCS_OUTPUT=str(output))  # fmt: skip
+        # A builder starts with empty caches: the installers' caches here would time an
+        # install from this machine's earlier downloads.
+        env.update(PIP_CACHE_DIR=str(work / "pip-cache"), UV_CACHE_DIR=str(work / "uv-cache"))
         for job, command in _commands(config):
             print(f"rehearse: [{job}] {command}", flush=True)
             if job == "build" and args.offline_build:
