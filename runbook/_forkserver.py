@@ -73,12 +73,17 @@ class Server:
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.key = _key(env)
+        # In a session of its own: a Jupyter kernel, shut down, signals each process in its
+        # own group and waits until none is left, zombies included; a server there (or, once
+        # idle, its zombie) held every page's kernel until Jupyter killed it. Its caller's
+        # interrupts no longer reach it either: `run` passes them on to the child.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runbook._forkserver"],
             env=dict(env),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # the server says nothing; its children write to files
+            start_new_session=True,
         )
         assert self.proc.stdout is not None
         self.replies = _Lines(self.proc.stdout.fileno())
@@ -106,7 +111,13 @@ class Server:
         if not started:
             raise ConnectionError("the fork server is gone")
         pid = json.loads(started)["pid"]
-        line = self.replies.readline(timeout)
+        try:
+            line = self.replies.readline(timeout)
+        except BaseException:  # interrupted (Ctrl-C, a kernel's interrupt): so is the child
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self.close()  # its status unread: the next call gets a new server
+            raise
         if line is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

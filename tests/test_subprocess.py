@@ -3,6 +3,7 @@ forked from one server, each with its caller's devices and environment."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -127,3 +128,34 @@ def test_a_server_gone_before_the_order_arrives_is_replaced_by_a_new_one(probe, 
     monkeypatch.setattr(_forkserver.Server, "alive", lambda self: self is gone or True)
     _, second, _ = _subprocess.call(f"{probe}:where")
     assert second not in {first, os.getpid()}  # forked, from a new server
+
+
+@pytest.mark.skipif(not _forkserver.enabled(), reason="the fork server is Linux's")
+def test_the_server_keeps_out_of_its_callers_process_group_and_passes_an_interrupt_on(
+    probe, monkeypatch
+):
+    # A Jupyter kernel, shut down, waits until no process of its group is left: a server there
+    # held each page's kernel until Jupyter killed it. Out of the group, it no longer sees its
+    # caller's interrupts, so the caller kills the child it waits on when interrupted.
+    _subprocess.call(f"{probe}:sleep", seconds=0)
+    server = _forkserver._server
+    assert server is not None
+    assert os.getpgid(server.proc.pid) != os.getpgrp()
+    children = []
+    readline = _forkserver._Lines.readline
+
+    def interrupted(self, timeout=None):
+        if timeout is None:  # the server's word that the child started
+            line = readline(self)
+            children.append(json.loads(line)["pid"])
+            return line
+        raise KeyboardInterrupt  # as Ctrl-C while the child runs
+
+    monkeypatch.setattr(_forkserver._Lines, "readline", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _subprocess.call(f"{probe}:sleep", seconds=60)
+    monkeypatch.setattr(_forkserver._Lines, "readline", readline)
+    assert not server.alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(children[0], 0)  # killed, and reaped by its server
+    assert _subprocess.call(f"{probe}:sleep", seconds=0) is None  # a new server
