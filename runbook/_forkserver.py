@@ -100,6 +100,22 @@ class Server:
             ConnectionError: the server is gone, before the child started.
             subprocess.TimeoutExpired: the child ran past `timeout` s; it was killed.
         """
+        child: list[int] = []
+        try:
+            return self._exchange(request, env, out, err, timeout, child)
+        except (ConnectionError, subprocess.TimeoutExpired):
+            raise  # the server and this process are still in step
+        except BaseException:  # interrupted (Ctrl-C, a kernel's interrupt): so is the child
+            for pid in child:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.close()  # what it says next is unread: the next call gets a new server
+            raise
+
+    def _exchange(
+        self, request: str, env: Mapping[str, str], out: str, err: str, timeout: float,
+        child: list[int],
+    ) -> int:  # fmt: skip
         assert self.proc.stdin is not None
         order = {"request": request, "env": dict(env), "out": out, "err": err}
         try:
@@ -111,13 +127,8 @@ class Server:
         if not started:
             raise ConnectionError("the fork server is gone")
         pid = json.loads(started)["pid"]
-        try:
-            line = self.replies.readline(timeout)
-        except BaseException:  # interrupted (Ctrl-C, a kernel's interrupt): so is the child
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            self.close()  # its status unread: the next call gets a new server
-            raise
+        child.append(pid)
+        line = self.replies.readline(timeout)
         if line is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -131,12 +131,14 @@ def test_a_server_gone_before_the_order_arrives_is_replaced_by_a_new_one(probe, 
 
 
 @pytest.mark.skipif(not _forkserver.enabled(), reason="the fork server is Linux's")
+@pytest.mark.parametrize("when", ["before the child starts", "while the child runs"])
 def test_the_server_keeps_out_of_its_callers_process_group_and_passes_an_interrupt_on(
-    probe, monkeypatch
+    probe, monkeypatch, when
 ):
     # A Jupyter kernel, shut down, waits until no process of its group is left: a server there
     # held each page's kernel until Jupyter killed it. Out of the group, it no longer sees its
-    # caller's interrupts, so the caller kills the child it waits on when interrupted.
+    # caller's interrupts, so the caller kills the child it waits on when interrupted, and
+    # leaves the server, which would otherwise answer its next order with this one's reply.
     _subprocess.call(f"{probe}:sleep", seconds=0)
     server = _forkserver._server
     assert server is not None
@@ -145,17 +147,20 @@ def test_the_server_keeps_out_of_its_callers_process_group_and_passes_an_interru
     readline = _forkserver._Lines.readline
 
     def interrupted(self, timeout=None):
-        if timeout is None:  # the server's word that the child started
+        if timeout is None and when == "while the child runs":  # the child has started
             line = readline(self)
             children.append(json.loads(line)["pid"])
             return line
-        raise KeyboardInterrupt  # as Ctrl-C while the child runs
+        raise KeyboardInterrupt  # as Ctrl-C
 
     monkeypatch.setattr(_forkserver._Lines, "readline", interrupted)
+    # A child whose pid never came cannot be killed: it sleeps only a second.
+    seconds = 60 if when == "while the child runs" else 1
     with pytest.raises(KeyboardInterrupt):
-        _subprocess.call(f"{probe}:sleep", seconds=60)
+        _subprocess.call(f"{probe}:sleep", seconds=seconds)
     monkeypatch.setattr(_forkserver._Lines, "readline", readline)
     assert not server.alive()
-    with pytest.raises(ProcessLookupError):
-        os.kill(children[0], 0)  # killed, and reaped by its server
-    assert _subprocess.call(f"{probe}:sleep", seconds=0) is None  # a new server
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # killed, and reaped by its server
+    assert _subprocess.call(f"{probe}:where")[1] != server.proc.pid  # a new server's child
