@@ -160,6 +160,7 @@ def test_the_server_keeps_out_of_its_callers_process_group_and_passes_an_interru
         _subprocess.call(f"{probe}:sleep", seconds=seconds)
     monkeypatch.setattr(_forkserver._Lines, "readline", readline)
     assert not server.alive()
+    assert len(children) == (when == "while the child runs")
     for pid in children:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # killed, and reaped by its server
