@@ -100,42 +100,33 @@ class Server:
             ConnectionError: the server is gone, before the child started.
             subprocess.TimeoutExpired: the child ran past `timeout` s; it was killed.
         """
-        child: list[int] = []
+        assert self.proc.stdin is not None
+        order = {"request": request, "env": dict(env), "out": out, "err": err}
+        pid = None
         try:
-            return self._exchange(request, env, out, err, timeout, child)
+            try:
+                self.proc.stdin.write((json.dumps(order) + "\n").encode())
+                self.proc.stdin.flush()
+                started = self.replies.readline()
+            except OSError as e:
+                raise ConnectionError("the fork server is gone") from e
+            if not started:
+                raise ConnectionError("the fork server is gone")
+            pid = json.loads(started)["pid"]
+            line = self.replies.readline(timeout)
+            if line is None:
+                _kill(pid)
+                self.replies.readline()  # the server reaps it
+                raise subprocess.TimeoutExpired(["runbook._subprocess", request], timeout)
+            if not line:
+                raise ConnectionError("the fork server died while its child ran")
         except (ConnectionError, subprocess.TimeoutExpired):
             raise  # the server and this process are still in step
         except BaseException:  # interrupted (Ctrl-C, a kernel's interrupt): so is the child
-            for pid in child:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            if pid is not None:
+                _kill(pid)
             self.close()  # what it says next is unread: the next call gets a new server
             raise
-
-    def _exchange(
-        self, request: str, env: Mapping[str, str], out: str, err: str, timeout: float,
-        child: list[int],
-    ) -> int:  # fmt: skip
-        assert self.proc.stdin is not None
-        order = {"request": request, "env": dict(env), "out": out, "err": err}
-        try:
-            self.proc.stdin.write((json.dumps(order) + "\n").encode())
-            self.proc.stdin.flush()
-            started = self.replies.readline()
-        except OSError as e:
-            raise ConnectionError("the fork server is gone") from e
-        if not started:
-            raise ConnectionError("the fork server is gone")
-        pid = json.loads(started)["pid"]
-        child.append(pid)
-        line = self.replies.readline(timeout)
-        if line is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            self.replies.readline()  # the server reaps it
-            raise subprocess.TimeoutExpired(["runbook._subprocess", request], timeout)
-        if not line:
-            raise ConnectionError("the fork server died while its child ran")
         status: int = json.loads(line)["status"]
         return status
 
@@ -150,6 +141,11 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it may have ended by itself
+        os.kill(pid, signal.SIGKILL)
 
 
 def _key(env: Mapping[str, str]) -> tuple[Any, ...]:

@@ -120,8 +120,9 @@ def call(target: str, /, *, devices: int = 1, timeout: float = 1800, **kwargs: A
 
 
 def _run(request: str, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
-    """Run `_forkserver.answer(request)` in a child under `env`: (exit status, stdout, stderr). Forked from
-    this process's `runbook._forkserver` where it has one, else a fresh Python."""
+    """Run `_forkserver.answer(request)` in a child under `env`: (exit status, stdout,
+    stderr). Forked from this process's `runbook._forkserver` where it has one, else a fresh
+    Python."""
     if _forkserver.enabled():
         with tempfile.TemporaryDirectory(prefix="runbook-child-") as folder:
             out, err = str(Path(folder) / "out"), str(Path(folder) / "err")
