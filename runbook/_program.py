@@ -522,34 +522,29 @@ class Program:
         return any("transpose(" in i.op_name for i in self.module.instructions.values())
 
     def backward_ancestry(self, name: str) -> bool:
-        """True when instruction `name` is computed from the reverse-mode pass."""
-        todo, seen = [name], set()
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            inst = self.module.get(n)
-            if inst is None:
-                continue
-            if self._in_backward(inst):
-                return True
-            todo.extend(inst.operands)
-        return False
+        """True when instruction `name` is computed from the reverse-mode pass: read from one
+        walk down the users of every instruction of that pass, made once per program (a
+        training step's updates are hundreds of values whose histories share most of it)."""
+        return name in self._from_backward
 
-    def _in_backward(self, inst: Instruction) -> bool:
-        """Whether `inst` (or an operation fused into it) belongs to the reverse-mode pass."""
-        if "transpose(" in inst.op_name:
-            return True
-        return inst.opcode == "fusion" and any(
-            "transpose(" in i.op_name for i in self.module.inner_ops(inst)
+    @functools.cached_property
+    def _backward(self) -> frozenset[str]:
+        """The instructions that belong to the reverse-mode pass (ops JAX names
+        ``transpose(...)``), a fusion when an operation fused into it does."""
+        return frozenset(
+            i.name
+            for i in self.module.instructions.values()
+            if "transpose(" in i.op_name
+            or (
+                i.opcode == "fusion"
+                and any("transpose(" in o.op_name for o in self.module.inner_ops(i))
+            )
         )
 
     @functools.cached_property
     def _from_backward(self) -> frozenset[str]:
-        """Every instruction `backward_ancestry` is true of, found in one walk down the
-        users (a detector asks for each of a program's values)."""
-        todo = [i.name for i in self.module.instructions.values() if self._in_backward(i)]
+        """Every instruction `backward_ancestry` is true of."""
+        todo = list(self._backward)
         seen: set[str] = set()
         while todo:
             n = todo.pop()
@@ -572,7 +567,7 @@ class Program:
                 continue
             seen.add(n)
             for user in self.module.users.get(n, ()):
-                if self._in_backward(user):
+                if user.name in self._backward:
                     return True
                 if user.opcode in _MOVES:
                     todo.append(user.name)

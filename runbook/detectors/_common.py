@@ -43,13 +43,6 @@ def entry_parameter(program: Program, inst: Instruction) -> Parameter | None:
     return None if number is None else program.shared(_parameters).get(number)
 
 
-def from_backward(program: Program, name: str) -> bool:
-    """`Program.backward_ancestry`, read from the one walk the program makes for every
-    instruction (`Program._from_backward`) instead of a walk up each one's operands: a
-    training step's updates are hundreds of outputs whose histories share most of it."""
-    return name in program._from_backward
-
-
 def kept_for_backward(program: Program) -> frozenset[str]:
     """The instructions of temporaries outside any loop that the reverse-mode pass reads
     (`Program.read_by_backward`), decided once for the detectors that ask of each."""

@@ -25,7 +25,7 @@ from .._buffers import Buffer
 from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Parameter, Program, finding
 from .._render import fmt_bytes
-from ._common import entry_parameter, from_backward, state_pairs
+from ._common import entry_parameter, state_pairs
 
 MIN_SHARE = 0.05  # of the program's total
 PATTERN = "frozen parameters differentiated"
@@ -188,7 +188,7 @@ def _zeroed(program: Program, useless: set[str], kept: set[str]) -> _Zeroed:
         and i.opcode not in ("parameter", "constant", "get-tuple-element", "tuple")
         and i.shape.is_array
     ]
-    if not any(from_backward(program, i.name) for i in wasted):
+    if not any(program.backward_ancestry(i.name) for i in wasted):
         return _Zeroed([], 0)  # a product with zero, but not of a gradient
     names = {i.name for i in wasted}
     kept_alive = []
@@ -237,7 +237,7 @@ def _kept_state(program: Program) -> list[Instruction]:
         key = (pair.output.shape.dtype, pair.output.shape.dims)
         if (
             key in unchanged
-            and from_backward(program, pair.output.name)
+            and program.backward_ancestry(pair.output.name)
             and _unchanged(program, pair.output) is None  # a frozen parameter itself
         ):
             fed.setdefault(key, []).append(pair.output)
@@ -331,7 +331,7 @@ def _see(program: Program) -> _Seen:
         if p.output.shape.nbytes > 8  # a step count is state too, but not a frozen weight
         and not _zeros(program, p.output)
         and program.entry_parameters_of(p.output.name) <= state | _scalars(program)
-        and not from_backward(program, p.output.name)
+        and not program.backward_ancestry(p.output.name)
     ]
     names = ", ".join(p.parameter.path for p in untouched[:3])
     names += ", ..." if len(untouched) > 3 else ""

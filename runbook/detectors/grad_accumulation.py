@@ -21,7 +21,7 @@ from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from . import attention_scores, resharding, vmap_materialize, vocab_logits
-from ._common import StatePair, from_backward, kept_for_backward, state_pairs
+from ._common import StatePair, kept_for_backward, state_pairs
 
 MIN_SHARE = 0.40  # of the program's total, held at once by the batch's activations
 MAX_EVIDENCE = 6
@@ -62,7 +62,7 @@ def batch_statistics(program: Program) -> list[StatePair]:
         p
         for p in state_pairs(program)
         if batch & program.entry_parameters_of(p.output.name)
-        and not from_backward(program, p.output.name)
+        and not program.backward_ancestry(p.output.name)
     ]
 
 
