@@ -86,8 +86,9 @@ def _per_case(path: pathlib.Path) -> bool:
     return parts[1] == "corpus" or (len(parts) == 2 and not parts[1].startswith("_"))
 
 
-# The store's own producer runs after a build, never inside one: editing it changes no figure.
-_STORE_PRODUCER = PACKAGE / "site" / "producers" / "store.py"
+# The producers that run after a build (the store's) or run builds (the benchmark's), never
+# inside one: editing them changes no figure.
+_OUTSIDE_BUILDS = tuple(PACKAGE / "site" / "producers" / f for f in ("store.py", "bench.py"))
 # What runs programs for real on this machine (real peaks, the host's memory, their turns)
 # and starts the children they run in: no compile for a target executes it, nor depends on
 # how its process started, so the stores do not depend on it (`run_hash`).
@@ -100,7 +101,7 @@ _RUN_ONLY = tuple(
 def core_hash() -> str:
     """The measurement core: every module of the package but the cases and their pages, the
     detectors (`detectors_hash`) and the real runs' own modules (`run_hash`)."""
-    left_out = (_STORE_PRODUCER, *_RUN_ONLY)
+    left_out = (*_OUTSIDE_BUILDS, *_RUN_ONLY)
     return _hash_files([p for p in PACKAGE.rglob("*.py") if not _per_case(p) and p not in left_out])
 
 
@@ -165,13 +166,23 @@ def compile_only(request: Mapping[str, Any]) -> bool:
     return request.get("target") not in (None, "cpu")
 
 
-def _payload(request: Mapping[str, Any], module: str | None) -> dict[str, Any]:
+def _keyed_env() -> dict[str, str]:
+    """The XLA/JAX settings of this process that a measurement depends on. Flags are keyed
+    as XLA reads them, whitespace-separated: a child's ``XLA_FLAGS`` rebuilt without its
+    device flag (``""``) keys as unset, and a flag appended after a space as one written
+    alone, or the same compile would be made again under each spelling."""
     own = own_env()
-    env = {
-        k: v
-        for k, v in sorted(os.environ.items())
-        if k.startswith(_ENV_PREFIXES) and own.get(k) != v
-    }
+    env = {}
+    for k, v in sorted(os.environ.items()):
+        if k == "XLA_FLAGS":
+            v = " ".join(v.split())
+        if k.startswith(_ENV_PREFIXES) and own.get(k) != v and (v or k != "XLA_FLAGS"):
+            env[k] = v
+    return env
+
+
+def _payload(request: Mapping[str, Any], module: str | None) -> dict[str, Any]:
+    env = _keyed_env()
     env.pop(ENV_VAR, None)
     env.pop("TPU_LIBRARY_PATH", None)  # where libtpu lies on this machine: its version is keyed
     return {

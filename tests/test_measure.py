@@ -140,6 +140,23 @@ def test_cache_key_ignores_what_the_package_sets_but_not_what_the_user_sets(monk
     assert _cache.key({"case": "x"}) != before
 
 
+def test_cache_key_reads_xla_flags_as_xla_does(monkeypatch):
+    # A child rebuilds XLA_FLAGS without its device flag ("" where the page had none) and a
+    # page appends its flag after a space: each spelling of the same flags is one key.
+    from runbook import _cache
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    unset = _cache.key({"case": "x"})
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert _cache.key({"case": "x"}) == unset
+    flag = "--xla_force_host_platform_device_count=4"
+    monkeypatch.setenv("XLA_FLAGS", flag)
+    alone = _cache.key({"case": "x"})
+    assert alone != unset
+    monkeypatch.setenv("XLA_FLAGS", f" {flag} ")
+    assert _cache.key({"case": "x"}) == alone
+
+
 def test_unusable_donation_is_a_caveat_not_a_warning():
     # A function of its own: JAX warns on a program's first lowering in a process only.
     def double_and_drop(a, b):
@@ -257,6 +274,12 @@ def test_the_cache_records_who_made_and_used_each_entry_for_the_build_profile(
     got = projection({"cold": 30.0}, pages, cases=2, to=4)
     overhead = max(30.0 - 44.0 / got["cores"], 0.0)
     assert got["seconds"] == pytest.approx(overhead + (40 + 2 * 20 + 4 * 2) / got["cores"], abs=0.1)
+    # What the pre-pass made for a page counts as the page's: here cases/a costs 30 s too.
+    before = {"cases/a": 20.0}
+    got = projection({"cold": 50.0}, pages, cases=2, to=4, prepared=before)
+    overhead = max(50.0 - 64.0 / got["cores"], 0.0)
+    assert got["median_case_page_seconds"] == 30.0
+    assert got["seconds"] == pytest.approx(overhead + (60 + 2 * 30 + 4 * 2) / got["cores"], abs=0.1)
 
 
 def test_a_case_result_read_back_keeps_each_report_s_caveats():

@@ -181,6 +181,10 @@ def test_the_code_of_real_runs_is_keyed_into_entries_made_here_never_into_a_comp
     assert "_measure.py" in core
     assert "_runtime.py" not in core
     assert "_host.py" not in core
+    # Nor the producers that run builds or read one, never inside one.
+    assert "bench.py" not in core
+    assert "store.py" not in core
+    assert "matrix.py" in core
     target, here = {"kind": "t", "target": "v5e"}, {"kind": "t", "target": None}
     before = _cache.key(target), _cache.key(here)
     monkeypatch.setattr(_cache, "run_hash", lambda: "another real run")
