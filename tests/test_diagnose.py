@@ -110,6 +110,26 @@ def test_case_table_names_each_reproduction(monkeypatch):
         assert repro, table
 
 
+@pytest.mark.parametrize("name", ["donation", "resharding"])  # here, and in a child
+def test_a_case_diagnosis_is_cached_and_read_back_whole(monkeypatch, tmp_path, name):
+    # The diagnose page's case table, and the pre-pass before it, make each diagnosis once.
+    from runbook import _cache
+
+    monkeypatch.setenv(_cache.ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(_cache.STORE_VAR, "")
+    first = diagnose_case(name, scale="tiny")
+    assert len(list(tmp_path.glob("*/*.json"))) >= 1
+
+    def again(*args, **kwargs):
+        raise AssertionError("diagnosed again")
+
+    monkeypatch.setattr("runbook.site._diagnose_cases.diagnose", again)
+    monkeypatch.setattr("runbook.site._diagnose_cases._subprocess.call", again)
+    back = diagnose_case(name, scale="tiny")
+    assert back.to_json() == first.to_json()
+    assert back.seconds == first.seconds
+
+
 def test_int16_index_copy_is_named_as_widened():
     d = diagnose_case("gather-grad", at={"index_dtype": "int16", "chunk": 2**22})
     (f,) = named(d, "gather-grad")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import _subprocess, _targets
+from .. import _cache, _subprocess, _targets
 from .._diagnose import Diagnosis, diagnose
 from .._render import Table, fmt_bytes
 
@@ -46,12 +46,13 @@ def diagnose_case(
     Compiled the way `runbook.measure_case` compiles it (a case that needs more devices
     than this process has runs in a child process with simulated devices), for `target`,
     else for the target whose compiler shows the case (`Case.shown_on`), else here.
+    Cached like the pages' measurements (`runbook._cache`): a page that shows it again,
+    or the pre-pass before it, reads it back.
     """
-    from .._case import _needs_child, get_case, measure_case
+    from .._case import _CASES, _needs_child, get_case, measure_case
     from ._accelerator import worst_point
 
     case = get_case(name)
-    size = case.scale(scale)
     t = _targets.resolve(target or case.shown_on)
     chosen = (
         case.variant(variant)
@@ -61,30 +62,47 @@ def diagnose_case(
     if at is None:
         repro = next(v for v in case.variants if v.role == "reproduction")
         at = worst_point(measure_case(name, scale, variants=[repro.name], target=t))
-    if t is None and _needs_child(case):
-        record = _subprocess.call(
-            "runbook.site._diagnose_cases:_diagnose_case_record",
-            devices=case.devices,
-            name=name,
-            variant=chosen.name,
-            scale=scale,
-            at=dict(at),
-        )
-        return Diagnosis.from_record(record)
-    with _targets.compiling_for(t):
+    point = dict(at)
+
+    def compute() -> dict[str, Any]:
+        if t is None and _needs_child(case):
+            return _subprocess.call(
+                "runbook.site._diagnose_cases:_diagnosis_record",
+                devices=case.devices,
+                name=name,
+                variant=chosen.name,
+                scale=scale,
+                at=point,
+            )
+        return _diagnosis_record(name, chosen.name, scale, point, t)
+
+    # Cached as a measurement of this machine (the detectors read it), whatever it was
+    # compiled for: "compiled_for", not "target", which would make it a compile-only entry.
+    request = {"kind": "case-diagnosis", "case": name, "variant": chosen.name, "scale": scale,
+               "at": point, "compiled_for": t.name if t else None}  # fmt: skip
+    return Diagnosis.from_record(_cache.cached(request, compute, module=_CASES[name]))
+
+
+def _diagnosis_record(
+    name: str,
+    variant: str,
+    scale: str,
+    at: dict[str, Any],
+    target: _targets.Target | None = None,
+) -> dict[str, Any]:
+    """`diagnose` of one program of a case, compiled for `target` (None: here)."""
+    from .._case import get_case
+
+    case = get_case(name)
+    chosen = case.variant(variant)
+    with _targets.compiling_for(target):
         return diagnose(
             chosen.program(at),
-            *case.inputs(chosen, size, at, False),
-            target=t,
-            compiler_options=case.options() if t is None else None,
+            *case.inputs(chosen, case.scale(scale), at, False),
+            target=target,
+            compiler_options=case.options() if target is None else None,
             name=chosen.name,
-        )
-
-
-def _diagnose_case_record(
-    name: str, variant: str, scale: str, at: dict[str, Any]
-) -> dict[str, Any]:
-    return diagnose_case(name, variant, scale=scale, at=at).to_record()
+        ).to_record()
 
 
 def case_diagnoses(scale: str = "seed") -> list[tuple[str, str, Diagnosis]]:
