@@ -263,8 +263,9 @@ def bench_report(path: str | None = None) -> list[Any]:
             Table(
                 ["docs build", "seconds"],
                 [[k, str(v)] for k, v in builds.items()],
-                "sphinx-build -j auto in a copy of the repository; cold = empty build folder "
-                "and measurement cache.",
+                "docs/_tools/build_site.py (as nox -s docs and Read the Docs run it, its "
+                "measurement pre-pass included) in a copy of the repository; cold = empty build "
+                "folder and measurement cache.",
             )
         )
     items.extend(_profile_tables(data))
@@ -279,22 +280,31 @@ def _profile_tables(data: dict[str, Any]) -> list[Any]:
     if not found:
         return []
     pages = data.get("docs_page_seconds", {})
+    prepared = data.get("docs_prepare_seconds", {})
     made = found["by_page"]
     shared = found["used_by_several_pages"]
     items: list[Any] = [
         Table(
-            ["page", "executed", "measuring it did itself", "entries it made"],
+            [
+                "page",
+                "executed",
+                "its calls, in the pre-pass",
+                "measuring it did itself",
+                "entries it made",
+            ],
             [
                 [
                     p,
                     f"{pages.get(p, 0):.1f} s",
+                    f"{prepared[p]:.1f} s" if p in prepared else "-",
                     f"{made.get(p, {}).get('seconds', 0):.1f} s",
                     str(made.get(p, {}).get("entries", 0)),
                 ]
                 for p in dict.fromkeys([*pages, *made])
             ],
-            f"The cold build, page by page: how long each executed, and the seconds of the "
-            f"measurements it computed itself (compiles, real runs), from the "
+            f"The cold build, page by page: how long each executed, how long the calls it "
+            f"declares took in the pre-pass, before the pages ran, and the seconds of the "
+            f"measurements it computed itself, in either (compiles, real runs), from the "
             f"{found['entries']:,} entries of the measurement cache it filled. "
             f"{shared['entries']} entries were used again by another page, saving "
             f"{shared['seconds_saved']:.0f} s.",

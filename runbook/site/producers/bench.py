@@ -141,10 +141,12 @@ def fix_runtimes(names: Sequence[str], progress: Callable[[str], None]) -> dict[
 
 def docs_builds(
     progress: Callable[[str], None], case_module: str
-) -> tuple[dict[str, Any], dict[str, float]]:
-    """The site built in a copy of the repository: cold (empty build folder and measurement
-    cache), warm (nothing changed), then after a one-line edit to one case module. Also each
-    page's execution time in the cold build."""
+) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
+    """The site built in a copy of the repository, as `nox -s docs` builds it
+    (``docs/_tools/build_site.py``, its measurement pre-pass included): cold (empty build
+    folder and measurement cache), warm (nothing changed), then after a one-line edit to one
+    case module. Also, for the cold build, each page's execution time and the seconds of
+    the calls it declared, which the pre-pass made before the pages ran."""
     with tempfile.TemporaryDirectory(prefix="runbook-bench-") as tmp:
         copy = pathlib.Path(tmp) / "repo"
         shutil.copytree(
@@ -152,10 +154,10 @@ def docs_builds(
         )
         env = {**os.environ, "PYTHONPATH": str(copy), "JAX_PLATFORMS": "cpu"}
         env.pop("RUNBOOK_CACHE_DIR", None)
-        command = [sys.executable, "-m", "sphinx", "-j", "auto", "-n", "-T", "-W", "--keep-going",
-                   "-q", "-b", "html", "docs", "docs/_build/html"]  # fmt: skip
+        command = [sys.executable, "docs/_tools/build_site.py", "docs/_build/html"]
         out: dict[str, Any] = {}
         pages: dict[str, float] = {}
+        prepared: dict[str, float] = {}
         for label in ("cold", "warm", "one-line edit to a case module"):
             if label.startswith("one-line"):
                 module = copy / "runbook" / "cases" / case_module
@@ -167,10 +169,23 @@ def docs_builds(
             out[label] = round(seconds, 1)
             progress(f"docs build, {label}: {out[label]} s")
             if label == "cold":
+                cache = copy / "docs" / "_build" / "runbook-cache"
                 pages = _page_seconds(copy / "docs" / "_build" / "html" / ".doctrees")
-                out["profile"] = profile(copy / "docs" / "_build" / "runbook-cache")
+                prepared = prepare_seconds(cache)
+                out["profile"] = profile(cache)
         out["edited_module"] = case_module
-        return out, pages
+        return out, pages, prepared
+
+
+def prepare_seconds(cache: pathlib.Path) -> dict[str, float]:
+    """The seconds of each page's declared calls, made by the build's pre-pass
+    (``docs/_ext/runbook_prepare.py`` logs them in the cache folder), longest first."""
+    log = cache / "prepare.tsv"  # runbook_prepare.SECONDS
+    found: dict[str, float] = collections.defaultdict(float)
+    for line in log.read_text().splitlines() if log.exists() else []:
+        page, _, seconds = line.split("\t")
+        found[page] += float(seconds)
+    return {k: round(v, 1) for k, v in sorted(found.items(), key=lambda kv: -kv[1])}
 
 
 def _where(request: dict[str, Any]) -> str:
@@ -227,13 +242,20 @@ def profile(cache: pathlib.Path) -> dict[str, Any]:
 
 
 def projection(
-    builds: dict[str, Any], pages: dict[str, float], cases: int, to: int = 25
+    builds: dict[str, Any],
+    pages: dict[str, float],
+    cases: int,
+    to: int = 25,
+    prepared: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The cold build with `to` cases, from this one's measured page times: each case page
     costs the median of today's; the pages that read every case grow in proportion; the
-    rest of the build (Sphinx itself, the pages' imports) stays; pages share the cores."""
+    rest of the build (Sphinx itself, the pages' imports) stays; pages share the cores.
+    A page's cost is its execution time plus its calls that the pre-pass made (`prepared`)."""
     import statistics
 
+    before = prepared or {}
+    pages = {p: pages.get(p, 0.0) + before.get(p, 0.0) for p in {*pages, *before}}
     case_pages = [s for page, s in pages.items() if page.startswith("cases/")]
     others = sum(s for page, s in pages.items() if not page.startswith("cases/"))
     cores = os.cpu_count() or 1
@@ -289,11 +311,12 @@ def run(
         "fix_runtimes": fix_runtimes(names, progress),
     }  # fmt: skip
     if docs:
-        builds, pages = docs_builds(progress, _module_file(names[0]))
+        builds, pages, prepared = docs_builds(progress, _module_file(names[0]))
         data["docs_profile"] = builds.pop("profile")
         data["docs_build_seconds"] = builds
         data["docs_page_seconds"] = pages
-        data["docs_projection"] = projection(builds, pages, len(case_names()))
+        data["docs_prepare_seconds"] = prepared
+        data["docs_projection"] = projection(builds, pages, len(case_names()), prepared=prepared)
     data["load_average"] = {"start": load, "end": [round(x, 2) for x in os.getloadavg()]}
     return data
 
