@@ -49,6 +49,11 @@ MALLOC = {
 }
 
 
+# The measurement pre-pass (docs/_ext/runbook_prepare.py): the slow calls pages declare,
+# made first in a process per core. RUNBOOK_PREPARE=0 builds without it.
+PREPARE = {"RUNBOOK_PREPARE": "1"}
+
+
 def build(output: str) -> tuple[int, str | None]:
     """Run Sphinx once, passing its output on: (exit status, the kernel loss it printed)."""
     lost = None
@@ -56,7 +61,7 @@ def build(output: str) -> tuple[int, str | None]:
     with subprocess.Popen(
         [sys.executable, *SPHINX, output],
         cwd=ROOT,
-        env={**MALLOC, **os.environ, "RUNBOOK_STDERR_DIR": str(STDERR_DIR)},
+        env={**MALLOC, **PREPARE, **os.environ, "RUNBOOK_STDERR_DIR": str(STDERR_DIR)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
