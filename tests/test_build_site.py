@@ -89,3 +89,29 @@ def test_a_capture_that_ends_leaves_no_file(build_site):
     _die_inside_a_capture(build_site.STDERR_DIR, abort=False)
     assert list(build_site.STDERR_DIR.glob("*")) == []
     assert build_site.last_words() == "no process died inside a capture of its C++ log"
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "1"), ("0", "0")])
+def test_the_build_runs_the_pre_pass_unless_told_not_to(build_site, monkeypatch, given, expected):
+    # The pre-pass (docs/_ext/runbook_prepare.py) runs in every build: nox -s docs and Read
+    # the Docs both build with build_site.py.
+    seen = {}
+
+    class Sphinx:
+        def __init__(self, command, **kwargs):
+            seen.update(kwargs["env"])
+            self.stdout, self.returncode = iter(["build succeeded.\n"]), 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    if given is None:
+        monkeypatch.delenv("RUNBOOK_PREPARE", raising=False)
+    else:
+        monkeypatch.setenv("RUNBOOK_PREPARE", given)
+    monkeypatch.setattr(build_site.subprocess, "Popen", Sphinx)
+    assert build_site.build("out") == (0, None)
+    assert seen["RUNBOOK_PREPARE"] == expected

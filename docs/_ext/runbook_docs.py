@@ -271,8 +271,8 @@ def _process_docstring(app: Any, what: str, name: str, obj: Any, options: Any, l
 # was the build's last page, running on one core while the others idled. With the
 # pre-pass (`PREPARE_VAR`), which measures the corpus before any page, it comes after them.
 _ORDER = {"diagnose": -1, "cases/": 0, "index": 2, "versions": 2, "status": 3}
-# The measurement pre-pass (`runbook_prepare`) runs only when this is "1": on a 2-core
-# machine it made the cold build slower (494 s against 404 s), the build being CPU-bound.
+# The measurement pre-pass (`runbook_prepare`) runs only when this is "1", as
+# docs/_tools/build_site.py sets it unless told otherwise.
 PREPARE_VAR = "RUNBOOK_PREPARE"
 
 

@@ -8,22 +8,25 @@ A page lists, in its front matter, the slow calls of its own code::
         - runbook.verify("donation")
         - runbook.site.donation.peaks()
 
-With ``RUNBOOK_PREPARE=1`` in the build's environment (``RUNBOOK_PREPARE=1 nox -s docs``),
-before Sphinx executes the pages it is about to read, the docs extension makes the calls
+Before Sphinx executes the pages it is about to read, the docs extension makes the calls
 they declare in a pool of worker processes: each page's calls in one process, in order,
 the longest pages first. Each call fills the measurement cache (``RUNBOOK_CACHE_DIR``), and
 the page, making the same call, reads it back: no page spends minutes on work that the
 other cores could share.
 
-It is off by default, as measured: on a 2-core machine, whose build was already CPU-bound
-(761 CPU-seconds in a 404 s cold build), it made the cold build slower (494 s; 437 s with
-one process more than cores, which took the hosted build's rehearsal past its 4 GiB).
-What it gains there: no page longer than about a minute, against 169 s for the diagnose
-page without it. Where cores outnumber the work's long pages it should pay; that is not
-measured.
+Every build runs it: ``docs/_tools/build_site.py`` (``nox -s docs``, Read the Docs) sets
+``RUNBOOK_PREPARE=1``; ``RUNBOOK_PREPARE=0`` builds without it. While each measuring child
+started a new Python, it made a 2-core machine's cold build slower (494 s against 404 s),
+the build being CPU-bound. Measured again once children forked from a server that has
+imported JAX (`runbook._forkserver`), cold ``nox -s docs`` from fresh clones of code that
+differed only in how an interrupt is handled: 383.7 s with it, no page executing for
+longer than 41.2 s (the diagnose page, whose case table was not cached then), against
+361.3 s without it, with five pages over 60 s (diagnose 109.7 s).
+``nox -s bench`` records each page's execution and pre-pass seconds.
 
 What to declare: calls whose work the page's other cells do not repeat. Real runs (each in
-a process of its own), fix checks and the diagnose corpus are. A seed-scale compile is
+a process of its own), fix checks, the diagnose corpus and the diagnose page's table of
+the cases' own programs (each diagnosis cached) are. A seed-scale compile is
 not: the page's later cells compile the same programs again, which in the page's kernel
 JAX's own cache would have answered, so declared it is compiled twice.
 
