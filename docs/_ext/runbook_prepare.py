@@ -159,7 +159,7 @@ def run_page(page: str, calls: Sequence[str], count: int = 1) -> list[tuple[floa
     return out
 
 
-def _known(folder: pathlib.Path) -> dict[tuple[str, str], float]:
+def last_seconds(folder: pathlib.Path) -> dict[tuple[str, str], float]:
     """Each call's seconds when it was last made in this cache folder."""
     log = folder / SECONDS
     rows = [line.split("\t") for line in log.read_text().splitlines()] if log.exists() else []
@@ -181,7 +181,7 @@ def prepare(
     One process per core, not one more to take the turn of one waiting for a real run's
     (`runbook.runtime_peak` runs one at a time): with one more, the hosted build's
     rehearsal measured a peak of 4.27 GiB summed over its processes, over its 4 GiB."""
-    known, seconds = _known(folder), page_seconds or {}
+    known, seconds = last_seconds(folder), page_seconds or {}
     pages: dict[tuple[str, int], list[str]] = {}
     for page, call, n in calls:
         mine = pages.setdefault((page, n), [])

@@ -180,11 +180,15 @@ def docs_builds(
 def prepare_seconds(cache: pathlib.Path) -> dict[str, float]:
     """The seconds of each page's declared calls, made by the build's pre-pass
     (``docs/_ext/runbook_prepare.py`` logs them in the cache folder), longest first."""
-    log = cache / "prepare.tsv"  # runbook_prepare.SECONDS
+    import importlib
+
+    if str(ROOT / "docs" / "_ext") not in sys.path:  # where it imports the docs extension from
+        sys.path.insert(0, str(ROOT / "docs" / "_ext"))
     found: dict[str, float] = collections.defaultdict(float)
-    for line in log.read_text().splitlines() if log.exists() else []:
-        page, _, seconds = line.split("\t")
-        found[page] += float(seconds)
+    for (page, _), seconds in (
+        importlib.import_module("runbook_prepare").last_seconds(cache).items()
+    ):
+        found[page] += seconds
     return {k: round(v, 1) for k, v in sorted(found.items(), key=lambda kv: -kv[1])}
 
 
