@@ -612,6 +612,32 @@ def test_findings_do_not_depend_on_the_function_name():
     ]
 
 
+# --- compiled for a TPU, without the device -----------------------------------------------------
+
+# XLA's TPU compiler writes batched matrix products as convolutions, and splits an input into
+# asynchronous slices that it bitcasts back together: the same mechanisms, other instructions.
+TPU = "v5e"
+
+
+@pytest.mark.skipif(unavailable(TPU) is not None, reason=f"no compiler for a {TPU} here")
+@pytest.mark.parametrize("case", ["attention-scores", "vocab-logits", "donation"])
+def test_named_in_a_tpu_program(case):
+    inputs = mlp_inputs()
+    state = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(inputs[:2]))
+    fn, args, least = {
+        "attention-scores": (jax.grad(attention_block), ATTENTION_BLOCK, 0.5),
+        "vocab-logits": (jax.value_and_grad(lm_loss), LM, 0.5),
+        "donation": (train_step, inputs, None),
+    }[case]
+    d = runbook.diagnose(fn, *args, target=TPU, measure_fixes=False)
+    assert d.cases[:1] == [case], str(d)
+    (f,) = named(d, case)
+    if least is not None:
+        assert f.bytes >= least * d.report.total
+    else:  # every array of the state, the parameters the compiler reassembles included
+        assert f.bytes >= 0.99 * state - 64
+
+
 # --- renderings and the fit against a target ------------------------------------------------
 
 

@@ -14,12 +14,34 @@ _PASS = ("bitcast", "copy", "reshape", "convert", "copy-start", "copy-done")
 PRODUCTS = ("dot", "convolution")
 
 
+def reassembled(program: Program, inst: Instruction) -> Instruction | None:
+    """The array `inst` is, when it is XLA's TPU compiler putting one back together: its
+    asynchronous slices (``async-start``/``async-done`` of a ``slice``) bitcast into one
+    array (a ``ConcatBitcast`` custom-call) of the sliced array's own shape; else None."""
+    if inst.opcode != "custom-call" or '"ConcatBitcast"' not in inst.attributes:
+        return None
+    found = set()
+    for k in range(len(inst.operands)):
+        done = program.operand(inst, k)
+        start = program.operand(done, 0) if done and done.opcode == "async-done" else None
+        whole = program.operand(start, 0) if start and start.opcode == "async-start" else None
+        if whole is None:
+            return None
+        found.add(whole.name)
+    if len(found) != 1 or whole is None or whole.shape.dims != inst.shape.dims:
+        return None
+    return whole
+
+
 def source_of(program: Program, inst: Instruction) -> Instruction:
     """What `inst` is made from when it only moves or reinterprets data (bitcast, copy)."""
     seen = set()
-    while inst.opcode in _PASS and inst.operands and inst.name not in seen:
+    while inst.name not in seen:
         seen.add(inst.name)
-        nxt = program.operand(inst, 0)
+        if inst.opcode in _PASS and inst.operands:
+            nxt = program.operand(inst, 0)
+        else:
+            nxt = reassembled(program, inst)
         if nxt is None:
             break
         inst = nxt
@@ -76,7 +98,7 @@ def moved_input(program: Program, inst: Instruction | None) -> Instruction | Non
         elif inst.opcode in MOVES and inst.operands:
             inst = program.operand(inst, 0)
         else:
-            return None
+            inst = reassembled(program, inst)
     return None
 
 

@@ -16,7 +16,7 @@ from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 from . import resharding
-from ._common import at_peak, made_from, moved_input
+from ._common import PRODUCTS, at_peak, made_from, moved_input
 
 MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
 MIN_TOKENS = 128  # a shorter sequence's scores are small whatever the program does
@@ -56,6 +56,17 @@ def _lengths(program: Program) -> dict[int, int]:
     return dict.fromkeys((d for d in axes if d >= MIN_TOKENS), largest)
 
 
+def _contracts(product: Instruction) -> bool:
+    """Whether `product` sums over an axis of its operands: a dot with contracting
+    dimensions, or a convolution (XLA's TPU compiler writes batched matrix products as
+    convolutions whose feature axes are the summed ones)."""
+    if product.opcode == "convolution":
+        return "dim_labels=" in product.attributes
+    return product.opcode == "dot" and bool(
+        re.search(r"lhs_contracting_dims=\{\d[\d,]*\}", product.attributes)
+    )
+
+
 def _compares(program: Program, dot: Instruction, tokens: int) -> bool:
     """Whether `dot` sums over a shared axis of two operands that each have T among their
     axes (or a multiple of T, heads merged in): tokens compared with tokens (q k^T). Not an
@@ -63,9 +74,8 @@ def _compares(program: Program, dot: Instruction, tokens: int) -> bool:
     length, and contracts nothing), nor a projection: one factor a program input (a
     weight), the other computed (a state-space model's step sizes, tokens x rank @ rank x
     channels, the channels a multiple of T). Both may be inputs: attention called alone."""
-    contracted = re.search(r"lhs_contracting_dims=\{(\d[\d,]*)\}", dot.attributes)
     sides = [program.operand(dot, k) for k in range(2)]
-    if not contracted or any(side is None for side in sides):
+    if not _contracts(dot) or any(side is None for side in sides):
         return False
     inputs = {moved_input(program, side) is not None for side in sides}
     return len(inputs) == 1 and all(  # T may be merged with heads into one axis: (h * T, d)
@@ -86,7 +96,7 @@ def _scored(program: Program, tokens: int) -> bool:
         if tokens not in dims or math.prod(dims) < tokens * tokens:
             continue
         # A product may print the scores with other axes merged into T's: (b, h * T, T).
-        if (inst.opcode == "dot" and _compares(program, inst, tokens)) or (
+        if (inst.opcode in PRODUCTS and _compares(program, inst, tokens)) or (
             inst.opcode == "custom-call" and any(k in inst.attributes for k in ("gemm", "matmul"))
         ):
             products.add(inst.name)
