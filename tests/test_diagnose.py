@@ -469,6 +469,24 @@ def test_vocab_logits():
     assert not runbook.diagnose(jax.value_and_grad(lm_loss_chunked), *LM).findings
 
 
+def lm_loss_and_accuracy(w, h, labels):
+    logits = h @ w
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+
+@pytest.mark.parametrize("target", [None, "v5e", "h100"])
+def test_vocab_logits_with_the_models_accuracy(target):
+    # flax's lm1b reports its accuracy: XLA merges the softmax's maximum into the argmax's
+    # reduce (a value and its index), which takes no plain maximum.
+    if target is not None and unavailable(target) is not None:
+        pytest.skip(unavailable(target))
+    step = jax.value_and_grad(lm_loss_and_accuracy, has_aux=True)
+    d = runbook.diagnose(step, *LM, target=target, measure_fixes=False)
+    (f,) = named(d, "vocab-logits")
+    assert f.bytes >= 0.5 * d.report.total
+
+
 def heads_first(q, k, v):
     """softmax(q k^T / sqrt(d)) v written out, (batch, heads, tokens, dim), no mask."""
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))

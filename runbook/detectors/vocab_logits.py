@@ -10,6 +10,7 @@ recomputed in the backward pass, holds one chunk's.
 from __future__ import annotations
 
 import math
+import re
 
 from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
@@ -63,12 +64,25 @@ def _logits(program: Program) -> dict[tuple[int, int], set[str]]:
 
 
 def _maxima(program: Program) -> list[Instruction]:
-    """The maxima a program takes (``reduce`` with ``maximum``): a softmax over V takes one
-    per row (XLA may reduce in stages)."""
+    """The maxima a program takes: a softmax over V takes one per row (XLA may reduce in
+    stages). A ``reduce`` whose computation's root is a ``maximum``, or that keeps the larger
+    of two values and a second result with it: an argmax, into which the compiler may merge
+    a softmax's maximum (a model's accuracy takes one over the same logits)."""
+    instructions = program.module.instructions.values()
+    keeps_larger = {
+        i.computation
+        for i in instructions
+        if i.opcode == "compare" and re.search(r"direction=G[TE]\b", i.attributes)
+    }
     found = []
-    for inst in program.module.instructions.values():
-        applied = program.module.root(inst.calls[0]) if inst.calls else None
-        if inst.opcode == "reduce" and applied is not None and applied.opcode == "maximum":
+    for inst in instructions:
+        if inst.opcode != "reduce" or not inst.calls:
+            continue
+        applied = program.module.root(inst.calls[0])
+        if applied is not None and (
+            applied.opcode == "maximum"
+            or (applied.opcode == "tuple" and inst.calls[0] in keeps_larger)
+        ):
             found.append(inst)
     return found
 
