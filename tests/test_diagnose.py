@@ -632,13 +632,14 @@ def test_findings_do_not_depend_on_the_function_name():
 
 # --- compiled for a TPU, without the device -----------------------------------------------------
 
-# XLA's TPU compiler writes batched matrix products as convolutions, and splits an input into
-# asynchronous slices that it bitcasts back together: the same mechanisms, other instructions.
+# XLA's TPU compiler writes batched matrix products as convolutions, splits an input into
+# asynchronous slices that it bitcasts back together, and records no loop's trip count: the
+# same mechanisms, other instructions.
 TPU = "v5e"
 
 
 @pytest.mark.skipif(unavailable(TPU) is not None, reason=f"no compiler for a {TPU} here")
-@pytest.mark.parametrize("case", ["attention-scores", "vocab-logits", "donation"])
+@pytest.mark.parametrize("case", ["attention-scores", "vocab-logits", "donation", "scan-residuals"])
 def test_named_in_a_tpu_program(case):
     inputs = mlp_inputs()
     state = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(inputs[:2]))
@@ -646,6 +647,12 @@ def test_named_in_a_tpu_program(case):
         "attention-scores": (jax.grad(attention_block), ATTENTION_BLOCK, 0.5),
         "vocab-logits": (jax.value_and_grad(lm_loss), LM, 0.5),
         "donation": (train_step, inputs, None),
+        # stacks larger than the chip's own memory (the compiler keeps smaller ones there)
+        "scan-residuals": (
+            jax.grad(rnn_loss),
+            (RNN[0], S((256, 256), f32), S((1024, 256, 256), f32)),
+            0.5,
+        ),
     }[case]
     d = runbook.diagnose(fn, *args, target=TPU, measure_fixes=False)
     assert d.cases[:1] == [case], str(d)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 
 from .._hlo import Instruction, Value
@@ -46,6 +47,32 @@ def source_of(program: Program, inst: Instruction) -> Instruction:
             break
         inst = nxt
     return inst
+
+
+def trip_count(program: Program, loop: Instruction) -> int | None:
+    """A while loop's steps: XLA's record of them, else read from the loop itself, where
+    XLA's TPU compiler records none. Its condition compares element k of the loop's state
+    less than a constant, and the loop starts element k at a constant (a scan's or a
+    fori_loop's counter, counting by one)."""
+    if loop.trip_count:
+        return loop.trip_count
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", loop.attributes)
+    test = program.module.root(condition[1]) if condition else None
+    if test is None or test.opcode != "compare" or "direction=LT" not in test.attributes:
+        return None
+    counter, bound = (program.module.get(n) for n in test.operands[:2])
+    k = counter.tuple_index if counter and counter.opcode == "get-tuple-element" else None
+    state = program.module.get(loop.operands[0]) if loop.operands else None
+    if k is None or bound is None or state is None or state.opcode != "tuple":
+        return None
+    start = program.module.get(state.operands[k]) if k < len(state.operands) else None
+    start = source_of(program, start) if start is not None else None
+    if start is None or start.opcode != "constant" or bound.opcode != "constant":
+        return None
+    try:
+        return int(bound.operands[0]) - int(start.operands[0])
+    except (IndexError, ValueError):
+        return None
 
 
 def _parameters(program: Program) -> dict[int, Parameter]:

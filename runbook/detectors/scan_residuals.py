@@ -25,6 +25,7 @@ from .._buffers import Buffer
 from .._hlo import Instruction
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
+from ._common import trip_count
 
 MIN_SHARE = 0.10  # of the total: stacked intermediates a checkpointed body would not store
 MIN_CARRY_SHARE = 0.25  # of the total: stacked carries, which only nesting reduces...
@@ -177,8 +178,8 @@ def stacks(program: Program) -> list[_Stack]:
     """Every per-step array a loop stores for a later loop, over the whole program."""
     found = []
     for loop in program.module.instructions.values():
-        steps = loop.trip_count
-        if loop.opcode != "while" or not steps or steps < 2:
+        steps = trip_count(program, loop) if loop.opcode == "while" else None
+        if not steps or steps < 2:
             continue
         for s in _stacked(program, loop, steps):
             reader = _consumed_by_loop(program, s.loop, s.index)
@@ -240,7 +241,7 @@ class _Judgement:
 def _judge(program: Program, chosen: list[_Stack]) -> _Judgement:
     computed = held(program, [s for s in chosen if not s.carry])
     carried = held(program, [s for s in chosen if s.carry])
-    steps = max(s.loop.trip_count or 0 for s in chosen)
+    steps = max(trip_count(program, s.loop) or 0 for s in chosen)
     total = program.total or 1
     recomputed = all(s.recomputed for s in chosen)
     sentence = why_not = ""
