@@ -141,6 +141,7 @@ def _consumed_by_loop(program: Program, loop: Instruction, index: int) -> Instru
 @dataclasses.dataclass(frozen=True)
 class _Stack:
     loop: Instruction
+    steps: int  # the loop's trip count
     index: int
     write: Instruction  # the body's result for this element
     update: Instruction  # the value written each step
@@ -171,7 +172,7 @@ def _stacked(program: Program, loop: Instruction, steps: int) -> Iterator[_Stack
         if update is None:
             continue
         carry = _loop_element(program, update, body) is not None
-        yield _Stack(loop, index, write, update, carry, recomputed)
+        yield _Stack(loop, steps, index, write, update, carry, recomputed)
 
 
 def stacks(program: Program) -> list[_Stack]:
@@ -241,7 +242,7 @@ class _Judgement:
 def _judge(program: Program, chosen: list[_Stack]) -> _Judgement:
     computed = held(program, [s for s in chosen if not s.carry])
     carried = held(program, [s for s in chosen if s.carry])
-    steps = max(trip_count(program, s.loop) or 0 for s in chosen)
+    steps = max(s.steps for s in chosen)
     total = program.total or 1
     recomputed = all(s.recomputed for s in chosen)
     sentence = why_not = ""
