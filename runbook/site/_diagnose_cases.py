@@ -66,7 +66,7 @@ def diagnose_case(
 
     def compute() -> dict[str, Any]:
         if t is None and _needs_child(case):
-            return _subprocess.call(
+            record: dict[str, Any] = _subprocess.call(
                 "runbook.site._diagnose_cases:_diagnosis_record",
                 devices=case.devices,
                 name=name,
@@ -74,6 +74,7 @@ def diagnose_case(
                 scale=scale,
                 at=point,
             )
+            return record
         return _diagnosis_record(name, chosen.name, scale, point, t)
 
     # Cached as a measurement of this machine (the detectors read it), whatever it was
