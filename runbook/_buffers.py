@@ -86,6 +86,22 @@ def source_frames(text: str) -> dict[str, str]:
 _COLOR = re.compile(r"\bcolor (\d+)")
 
 
+def _allocations(directory: pathlib.Path) -> list[tuple[int, str, int, bool]]:
+    """(size, kind, colour, whether it may be live out) of each allocation in the dumped
+    buffer assignment (the largest module's, where XLA dumped several); empty if none."""
+    assignments = sorted(directory.glob("*after_optimizations-buffer-assignment.txt"))
+    if not assignments:
+        return []
+    assignment = max(assignments, key=lambda p: p.stat().st_size)
+    out = []
+    for line in assignment.read_text().splitlines():
+        if (a := _ALLOC.match(line)) is not None:
+            color = _COLOR.search(a[2])
+            live_out = "live-out" in a[2]
+            out.append((int(a[1]), _allocation_kind(a[2]), int(color[1]) if color else 0, live_out))
+    return out
+
+
 def allocation_sizes(directory: pathlib.Path) -> dict[str, int]:
     """Bytes per kind of allocation in the dumped buffer assignment, with its memory space.
 
@@ -93,20 +109,34 @@ def allocation_sizes(directory: pathlib.Path) -> dict[str, int]:
     on-chip scratch (VMEM) in colour 1 and scalar memory in 2. A key is the kind
     ("temp", "argument", ...) plus `` (memory space N)`` when N is not 0.
     """
-    assignments = sorted(directory.glob("*after_optimizations-buffer-assignment.txt"))
-    if not assignments:
-        return {}
-    assignment = max(assignments, key=lambda p: p.stat().st_size)
     sizes: dict[str, int] = {}
-    for line in assignment.read_text().splitlines():
-        if (a := _ALLOC.match(line)) is None:
-            continue
-        color = _COLOR.search(a[2])
-        key = _allocation_kind(a[2]) + (
-            f" (memory space {color[1]})" if color and color[1] != "0" else ""
-        )
-        sizes[key] = sizes.get(key, 0) + int(a[1])
+    for size, kind, color, _ in _allocations(directory):
+        key = kind + (f" (memory space {color})" if color else "")
+        sizes[key] = sizes.get(key, 0) + size
     return sizes
+
+
+def assignment_bytes(directory: pathlib.Path) -> dict[str, int]:
+    """``memory_analysis()``'s device bytes by kind (argument, output, temp, alias), added up
+    from the dumped buffer assignment's allocations in main memory (colour 0).
+
+    For a program a target's compiler refused, which leaves no compiled program to ask: XLA
+    writes its buffer assignment before it refuses. An input whose allocation may be live
+    out is an output aliased to it. The compiler's own temp figure can differ from this
+    sum by a little (XLA's TPU compiler: tens of KiB on small programs).
+    """
+    out = dict.fromkeys(("argument", "output", "temp", "alias"), 0)
+    for size, kind, color, live_out in _allocations(directory):
+        if color:
+            continue
+        if kind == "argument":
+            out["argument"] += size
+            if live_out:  # an output written into this input's memory
+                out["output"] += size
+                out["alias"] += size
+        elif kind in ("output", "temp"):
+            out[kind] += size
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

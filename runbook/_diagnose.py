@@ -97,8 +97,9 @@ class Diagnosis:
         findings: each mechanism recognised, largest first (see `Finding`).
         target: the device it was compiled for, or None for this process's backend.
         refused: when the target's compiler refused the program as too large, its figures
-            (``needed``, ``limit``, ``what``); the findings then come from this process's
-            backend.
+            (``needed``, ``limit``, ``what``). The report and findings are then those of the
+            program it wrote before refusing, or, where it wrote none, of this process's
+            backend (the report's provenance says which).
         seconds: how long the diagnosis took (compilation included).
         stacked: buffers a while loop writes one step at a time (HLO instruction name ->
             the loop's steps; see `Program.stacked_per_step`).
@@ -162,7 +163,7 @@ class Diagnosis:
         if self.fit is None:
             return ""
         line = self.fit.sentence()
-        if self.refused is not None:
+        if self.refused is not None and not self.report.provenance.target:
             line += (
                 f" The findings below come from this machine's "
                 f"{self.report.provenance.backend} compiler."
@@ -512,7 +513,7 @@ def diagnose(
     start = time.perf_counter()
     refused = None
     t = _targets.resolve(target)  # once: everything below takes the Target
-    try:
+    try:  # a program the target refuses: the one its compiler wrote before refusing
         program = Program.compile(
             fn,
             *args,
@@ -520,8 +521,10 @@ def diagnose(
             compiler_options=compiler_options,
             name=name,
             measure_fixes=measure_fixes,
+            keep_refused=True,
         )
-    except DoesNotFitError as e:
+        refused = program.refused
+    except DoesNotFitError as e:  # refused, with nothing written: as this machine compiles it
         if t is None:
             raise
         refused = {"needed": e.needed, "limit": e.limit, "what": e.what}

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import jax
 
 from . import _targets
-from ._buffers import Buffer, allocation_sizes
-from ._errors import RunbookError
+from ._buffers import Buffer, allocation_sizes, assignment_bytes
+from ._errors import DoesNotFitError, RunbookError
 from ._hlo import Dump, Instruction, Shape, Value, read_dump
 from ._inputs import as_jax, quiet_donation
 from ._measure import YNN_OPTION, MemoryReport, _backend_caveats, _devices_used, compile_fn
@@ -210,6 +210,9 @@ class Program:
         target: the target it was compiled for, or None for this process's backend.
         options: the XLA options it was compiled with.
         measure_fixes: whether a detector may compile a mechanical fix to measure it.
+        refused: where the target's compiler refused the program as too large (and
+            `compile` was asked to keep it), the compiler's figures (``needed``, ``limit``,
+            ``what``): the program is the one it wrote before refusing. Else None.
     """
 
     def __init__(
@@ -223,14 +226,15 @@ class Program:
         options: Mapping[str, Any],
         *,
         measure_fixes: bool = True,
+        refused: dict[str, Any] | None = None,
     ) -> None:
         self.fn, self.args, self.report = fn, tuple(args), report
-        self.measure_fixes = measure_fixes
+        self.measure_fixes, self.refused = measure_fixes, refused
         self.module, self.values, self.live = dump.module, dump.values, dump.live
         self.phis, self.schedule = dump.phis, dump.schedule
         self.partitions, self._whole = dump.partitions, dump.whole
         self.target, self.options = target, dict(options)
-        self.devices = _devices_used(compiled)
+        self.devices = _device_count(compiled, dump)
         self.parameters = self._parameters(compiled)
         self._shared: dict[Callable[[Program], Any], Any] = {}
 
@@ -250,42 +254,78 @@ class Program:
         compiler_options: Mapping[str, Any] | None = None,
         name: str | None = None,
         measure_fixes: bool = True,
+        keep_refused: bool = False,
     ) -> Program:
-        """Compile `fn` for `args` (abstract welcome) and read back XLA's dump."""
+        """Compile `fn` for `args` (abstract welcome) and read back XLA's dump.
+
+        With `keep_refused`, a program `target`'s compiler refuses as too large for one
+        device is read from the dump it wrote before refusing (its figures from the buffer
+        assignment, `refused` set); `DoesNotFitError` is raised only where it wrote none.
+        """
         name = name or str(getattr(fn, "__name__", type(fn).__name__))
         unusable: list[str] | None = [] if quiet_donation(fn) else None
         fn, args = as_jax(fn, args)  # what is kept is what was compiled
         options = cpu_accounting_options() if target is None else {}
         options.update(compiler_options or {})
+        refusal: DoesNotFitError | None = None
         with tempfile.TemporaryDirectory(prefix="runbook-diagnose-") as dump_dir:
             start = time.perf_counter()
-            compiled = compile_fn(
-                fn,
-                *args,
-                compiler_options={**options, "xla_dump_to": dump_dir},
-                target=target,
-                unusable=unusable,
-            )
+            try:
+                compiled = compile_fn(
+                    fn,
+                    *args,
+                    compiler_options={**options, "xla_dump_to": dump_dir},
+                    target=target,
+                    unusable=unusable,
+                )
+            except DoesNotFitError as e:
+                if not keep_refused:
+                    raise
+                compiled, refusal = None, e
             seconds = time.perf_counter() - start
-            stats = compiled.memory_analysis()
             dump = read_dump(pathlib.Path(dump_dir))
+            if refusal is not None and dump is None:
+                raise refusal
+            stats = compiled.memory_analysis() if compiled is not None else None
+            assigned = assignment_bytes(pathlib.Path(dump_dir)) if refusal is not None else {}
             sizes = allocation_sizes(pathlib.Path(dump_dir))
             buffers = tuple(dump.buffers()) if dump is not None else ()
         where = target.name if target else jax.default_backend()
-        if stats is None or dump is None:
+        if dump is None or (stats is None and refusal is None):
             raise RunbookError(f"the {where} compiler reports no buffer assignment to diagnose.")
-        devices = _devices_used(compiled)
-        report = MemoryReport.from_stats(
-            stats,
-            name=name,
-            provenance=Provenance.for_target(target, devices) if target else Provenance.current(),
-            compile_seconds=seconds,
-            buffers=buffers,
-            caveats=() if target else _backend_caveats(compiled, options),
-            allocations=sizes,
-        )
+        devices = _device_count(compiled, dump)
+        fields: dict[str, Any] = {
+            "name": name,
+            "provenance": Provenance.for_target(target, devices)
+            if target
+            else Provenance.current(),
+            "compile_seconds": seconds,
+            "buffers": buffers,
+            "allocations": sizes,
+        }
+        refused = None
+        if refusal is None:
+            caveats = () if target else _backend_caveats(compiled, options)
+            report = MemoryReport.from_stats(stats, caveats=caveats, **fields)
+        else:
+            refused = {"needed": refusal.needed, "limit": refusal.limit, "what": refusal.what}
+            said = (
+                f"The {where} compiler refused this program: it needs {refusal.needed:,} bytes "
+                f"of {refusal.what}, the device allows {refusal.limit:,}. These figures are "
+                "the buffer assignment it wrote before refusing."
+            )
+            fields.update(assigned)  # argument, output, temp and alias
+            report = MemoryReport(caveats=(said,), **fields)
         program = cls(
-            fn, args, report, dump, compiled, target, options, measure_fixes=measure_fixes
+            fn,
+            args,
+            report,
+            dump,
+            compiled,
+            target,
+            options,
+            measure_fixes=measure_fixes,
+            refused=refused,
         )
         if target is None and jax.default_backend() == "cpu" and (note := program._widened()):
             program.report = dataclasses.replace(report, caveats=(*report.caveats, note))
@@ -367,10 +407,13 @@ class Program:
             for i, arg in enumerate(self.args)
             for _ in jax.tree_util.tree_leaves(arg, is_leaf=lambda x: x is None)
         ]
+        params = self.module.parameters()
         kept = [(i, s) for i, s in enumerate(shardings) if s is not None] if shardings else []
+        if compiled is None and len(params) == len(owners):  # refused: each leaf a parameter
+            kept = [(i, None) for i in range(len(owners))]
         aliased = set(self.module.aliases.values())
         out = []
-        for k, inst in enumerate(self.module.parameters()):
+        for k, inst in enumerate(params):
             leaf, sharding = kept[k] if k < len(kept) else (None, None)
             number = inst.parameter_number if inst.parameter_number is not None else k
             replicated = bool(
@@ -603,6 +646,12 @@ class Program:
             return found
 
         return self.module.fold(name, mask, self.shared(_parameter_masks), 0)
+
+
+def _device_count(compiled: Any, dump: Dump) -> int:
+    """How many devices the program runs on: a refused one (no compiled object) has its
+    SPMD partitions."""
+    return _devices_used(compiled) if compiled is not None else max(dump.partitions, 1)
 
 
 def _parameter_masks(program: Program) -> dict[str, int]:

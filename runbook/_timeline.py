@@ -181,6 +181,7 @@ class Timeline:
                 f"Not drawn: {len(self.unranged)} value(s), "
                 f"{fmt_bytes(sum(b.size for b in self.unranged))}, with no live range from XLA."
             )
+        lines += [f"Caveat: {c}" for c in self.report.caveats]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -340,8 +341,13 @@ def timeline(
     Returns:
         The `Timeline`: to print, to show as a table or a chart, or to turn into JSON.
 
+    A program the target's compiler refuses as too large for one device is drawn from the
+    buffer assignment it wrote before refusing (its report's caveat says so): where an
+    out-of-memory error comes from.
+
     Raises:
-        DoesNotFitError: the target's compiler refused the program as too large.
+        DoesNotFitError: the target's compiler refused the program as too large and wrote
+            no buffer assignment first.
         RunbookError: the compiler wrote no buffer assignment or no live ranges.
 
     Examples:
@@ -364,7 +370,13 @@ def timeline(
         return timeline(measured, *args, target=target, compiler_options=options, name=fn.name)
     t = _targets.resolve(target)
     program = Program.compile(
-        fn, *args, target=t, compiler_options=compiler_options, name=name, measure_fixes=False
+        fn,
+        *args,
+        target=t,
+        compiler_options=compiler_options,
+        name=name,
+        measure_fixes=False,
+        keep_refused=True,
     )
     return of_program(program)
 

@@ -18,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import runbook
 import runbook.site
@@ -25,7 +27,7 @@ from runbook._cli import main
 from runbook._subprocess import child_env
 from runbook._targets import unavailable
 from runbook.cases import attention_scores as attn
-from runbook.cases import host_offloading, tpu_padding
+from runbook.cases import host_offloading, resharding, tpu_padding
 from runbook.cases._setup.attention_scores import attention_backward
 from runbook.detectors import DETECTORS
 from runbook.site import scan_residuals
@@ -715,6 +717,34 @@ def test_fit_against_a_target():
     assert big.margin == usable - big.report.total < 0
     assert "Does not fit" in str(big)
     assert big.to_json()["target"]["fits"] is False
+
+
+@pytest.mark.skipif(unavailable(TPU) is not None, reason=f"no compiler for a {TPU} here")
+def test_a_program_the_target_refuses_is_diagnosed_on_the_target():
+    """An FSDP step over a v5e-8 whose logits each chip computes for the whole batch, more
+    than the chip holds. XLA's TPU compiler refuses it, after writing its buffer assignment:
+    the diagnosis reads that program (the mesh is on the target's devices, which this
+    machine's CPU cannot compile for) and names the unsharded values, with the refusal."""
+    mesh = runbook.slice_mesh("v5e-8", resharding.AXIS)
+    shardings, batch = resharding.fsdp(mesh), NamedSharding(mesh, P(resharding.AXIS))
+    vocab, width, hidden, layers = 32768, 512, 2048, 2
+    shapes = {
+        "embed": (vocab, width),
+        "up": (layers, width, hidden),
+        "down": (layers, hidden, width),
+    }
+    params = {k: S(v, f32, sharding=shardings[k]) for k, v in shapes.items()}
+    tokens = S((256, 512), jnp.int32, sharding=batch)
+    d = runbook.diagnose(resharding.train_step(mesh), params, tokens, tokens, target="v5e-8")
+    assert d.fits is False
+    assert d.refused is not None
+    assert d.margin < 0
+    assert d.report.provenance.target == "v5e-8"
+    assert d.report.provenance.devices == 8
+    assert d.report.temp > runbook.get_target("v5e").usable()  # the refused program's bytes
+    assert "resharding" in d.cases, str(d)
+    assert "refused" in d.report.caveats[0]
+    assert "this machine's" not in d.fit_line()
 
 
 # --- the command line -------------------------------------------------------------------------

@@ -206,6 +206,42 @@ def test_a_program_too_large_for_a_chip_is_a_finding_with_xlas_figures():
     assert "HLO temporaries" in grad["what"]
 
 
+def _train_step(w1, w2, x):
+    def loss(w1, w2):
+        return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+    g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+@pytest.mark.parametrize("target", ["h100", "v5e"])
+@pytest.mark.parametrize("donate", [(), (0, 1)])
+def test_a_buffer_assignment_adds_up_to_the_compilers_figures(target, donate):
+    """A refused program has no memory_analysis: its figures are added up from the buffer
+    assignment its compiler wrote (`assignment_bytes`). On programs that fit, the two agree:
+    exactly, but for the TPU compiler's temporaries (it accounts some scratch apart)."""
+    from runbook._buffers import assignment_bytes
+    from runbook._measure import analysis_bytes
+
+    w = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = runbook.compile_fn(
+            jax.jit(_train_step, donate_argnums=donate),
+            w,
+            w,
+            w,
+            compiler_options={"xla_dump_to": dump},
+            target=target,
+        )
+        added = assignment_bytes(pathlib.Path(dump))
+    stats = analysis_bytes(compiled.memory_analysis())
+    assert added["alias"] == (2 * 2048 * 2048 * 4 if donate else 0)
+    assert {k: added[k] for k in ("argument", "output", "alias")} == {
+        k: stats[k] for k in ("argument", "output", "alias")
+    }
+    assert abs(added["temp"] - stats["temp"]) <= (0 if target == "h100" else 2**20)
+
+
 def test_tpu_usable_memory_is_read_from_the_compiler():
     usable = runbook.get_target("v5e").usable()
     assert 15 * GIB < usable <= 16 * GIB

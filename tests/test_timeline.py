@@ -216,6 +216,35 @@ def test_a_target_compiler_gives_a_timeline(target):
     assert all(b.op for b in t.at_peak if b.size >= 4096)
 
 
+def test_a_program_the_target_refuses_is_drawn_from_what_its_compiler_wrote():
+    """An out-of-memory compile explained: XLA's TPU compiler refuses an RNN whose saved
+    steps exceed the chip, after writing its buffer assignment and live ranges. The timeline
+    draws that program: its peak is past the chip's memory, held by the loop's stacks."""
+    if _targets.unavailable("v5e"):
+        pytest.skip(_targets.unavailable("v5e"))
+
+    def loss(w, h0, xs):
+        def step(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, h
+
+        return jnp.sum(lax.scan(step, h0, xs)[1] ** 2)
+
+    f32 = jnp.float32
+    args = (
+        jax.ShapeDtypeStruct((1024, 1024), f32),
+        jax.ShapeDtypeStruct((256, 1024), f32),
+        jax.ShapeDtypeStruct((8192, 256, 1024), f32),  # 8 GiB of inputs, as much per stack
+    )
+    with pytest.raises(runbook.DoesNotFitError):
+        runbook.measure(jax.grad(loss), *args, target="v5e")
+    t = runbook.timeline(jax.grad(loss), *args, target="v5e")
+    assert t.provenance.target == "v5e"
+    assert t.peak > runbook.get_target("v5e").usable()
+    assert "refused" in str(t)
+    assert t.at_peak[0].size >= 8192 * 256 * 1024 * 4  # a stack of every step's state
+
+
 def test_plot_marks_the_peak_and_names_the_compiler():
     import matplotlib
 
