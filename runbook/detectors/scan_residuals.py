@@ -13,6 +13,11 @@ finding, so that a scan split into blocks (or recomputed block by block under
 ``jax.checkpoint``) is judged by what its stacks hold at once, not block by block.
 A stacking loop that runs inside the reverse-mode pass is a checkpointed scan being
 recomputed: checkpointing the whole scan moved its stacks into the backward pass.
+
+The same mechanism without a loop: layers written out one after another (a Python loop,
+or a model's blocks ``Block_0``, ``Block_1``, ...), each keeping its intermediates for the
+backward pass. Their op names say which layer made them (the scope JAX records, as flax and
+equinox name their modules); a checkpoint on each layer keeps only its output.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import re
 from collections.abc import Iterator
 
 from .._buffers import Buffer
-from .._hlo import Instruction
+from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
-from ._common import trip_count
+from . import attention_scores, grad_accumulation, resharding, vmap_materialize, vocab_logits
+from ._common import kept_for_backward, trip_count
 
 MIN_SHARE = 0.10  # of the total: stacked intermediates a checkpointed body would not store
 MIN_CARRY_SHARE = 0.25  # of the total: stacked carries, which only nesting reduces...
@@ -35,6 +41,9 @@ PATTERN = "scan residuals stacked for the backward pass"
 PATTERN_RECOMPUTED = "checkpointed scan recomputed in the backward pass, every step stacked"
 CASE = "scan-residuals"
 COPY = "runbook.cases.scan_residuals.loss_nested"
+MIN_LAYER_SHARE = 0.10  # of the total: layers' intermediates a checkpoint per layer frees
+PATTERN_LAYERS = "each layer's intermediates kept for the backward pass"
+COPY_LAYERS = "runbook.cases.scan_residuals.loss_remat_body"
 
 
 def rule() -> str:
@@ -45,7 +54,12 @@ def rule() -> str:
         f"reported when the step's intermediates they hold at once are at least {MIN_SHARE:.0%} "
         f"of the total, or its inputs (carries) alone at least {MIN_CARRY_SHARE:.0%} over "
         f"{MIN_STEPS} steps or more, where nesting would store {MIN_NEST_GAIN}x fewer; a "
-        "stacking loop inside the reverse-mode pass is named a checkpointed scan recomputed"
+        "stacking loop inside the reverse-mode pass is named a checkpointed scan recomputed; "
+        "without a loop, temporaries the backward pass reads, grouped by the numbered scope "
+        "that made them (layer_0, layer_1, ...: at least two layers), none another "
+        "detector's, reported when all but each layer's largest (its output, which a "
+        "checkpoint keeps) hold, less one layer's worth, at least "
+        f"{MIN_LAYER_SHARE:.0%} of the total"
     )
 
 
@@ -287,8 +301,100 @@ def _groups(program: Program) -> list[list[_Stack]]:
     return [g for g in groups if g]
 
 
+_INDEXED = re.compile(r"(.*[A-Za-z_])(\d+)")
+_TRANSFORM = re.compile(r"\w+\((.*)\)")
+
+
+def _layer(op: str) -> tuple[str, int] | None:
+    """The numbered scope (``Block_3``, ``layers/2``) an op name is inside, as (its path
+    with the number left out, the number): the first one, a model's outermost repeated
+    block. Transformations' marks (``jvp(Block_3)``) are unwrapped; the first component,
+    the jitted function's name, is not a scope of the model, nor is the last, the
+    primitive (``expm1``)."""
+    parts = op.split("/")[1:-1]
+    for k, part in enumerate(parts):
+        while (m := _TRANSFORM.fullmatch(part)) is not None:
+            part = m[1]
+        if part.isdigit() and k:
+            return "/".join(parts[:k]) + "/#", int(part)
+        if (m := _INDEXED.fullmatch(part)) is not None:
+            return "/".join([*parts[:k], m[1]]) + "#", int(m[2])
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+    family: str  # the scope, its number left out
+    layers: dict[int, list[tuple[Value, Instruction]]]  # each layer's values, its output left out
+    held: int  # what a checkpoint on each layer frees: all of them, less one layer's
+
+
+def layers(program: Program) -> _Layers | None:
+    """The written-out layers whose intermediates the backward pass reads: per numbered
+    scope, the temporaries outside loops that the reverse-mode pass reads and no other
+    detector names; the scope whose intermediates hold the most."""
+    if not program.has_backward:
+        return None
+    claimed = (
+        attention_scores.scores(program)
+        | vocab_logits.logit_values(program)
+        | resharding.whole(program)
+        | {(v.instruction, v.index) for v, _ in program.shared(vmap_materialize.vmapped)[0]}
+    )
+    if grad_accumulation.detect(program):
+        claimed |= {
+            (v.instruction, v.index) for v, _ in program.shared(grad_accumulation.activations)[0]
+        }
+    kept = program.shared(kept_for_backward)
+    families: dict[str, dict[int, list[tuple[Value, Instruction]]]] = {}
+    for v in program.values:
+        inst = program.module.get(v.instruction)
+        if inst is None or v.instruction not in kept or (v.instruction, v.index) in claimed:
+            continue
+        found = _layer(program.describe(inst)[0])
+        if found is not None:
+            families.setdefault(found[0], {}).setdefault(found[1], []).append((v, inst))
+    best = None
+    for family, by_layer in families.items():
+        # A checkpoint keeps each layer's output (its largest value) and frees the rest,
+        # recomputing one layer's at a time in the backward pass.
+        rest = {k: sorted(values, key=lambda p: -p[0].size)[1:] for k, values in by_layer.items()}
+        rest = {k: values for k, values in rest.items() if values}
+        if len(rest) < 2:
+            continue
+        one = max(program.peak(v for v, _ in values) for values in rest.values())
+        held = program.peak(v for values in rest.values() for v, _ in values) - one
+        if best is None or held > best.held:
+            best = _Layers(family, rest, held)
+    return best
+
+
+def _layers_finding(program: Program, found: _Layers) -> Finding:
+    chosen = [(v, i) for values in found.layers.values() for v, i in values]
+    evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
+    first, last = min(found.layers), max(found.layers)
+    return finding(
+        PATTERN_LAYERS,
+        CASE,
+        found.held,
+        evidence[:6],
+        "Checkpoint each layer (jax.checkpoint around the layer's function; flax: "
+        "nn.remat(Block), equinox: eqx.filter_checkpoint), or stack the layers' weights "
+        "and scan a checkpointed layer over them, so that each layer keeps only its output "
+        "and recomputes the rest in the backward pass",
+        copy=COPY_LAYERS,
+        detail=f"{len(found.layers)} layers ({found.family.replace('#', str(first))} to "
+        f"{found.family.replace('#', str(last))}) keep {len(chosen)} intermediates besides "
+        f"their outputs for the backward pass; a checkpoint on each layer frees "
+        f"{fmt_bytes(found.held)} at once.",
+    )
+
+
 def detect(program: Program) -> list[Finding]:
     out = []
+    found = program.shared(layers)
+    if found is not None and found.held >= MIN_LAYER_SHARE * program.total:
+        out.append(_layers_finding(program, found))
     for chosen in _groups(program):
         j = _judge(program, chosen)
         if not j.sentence:
@@ -338,6 +444,17 @@ def detect(program: Program) -> list[Finding]:
 def near_miss(program: Program) -> NearMiss | None:
     """The stacking this detector saw and did not name, with the threshold it missed."""
     best: NearMiss | None = None
+    found = program.shared(layers)
+    if found is not None and 0 < found.held < MIN_LAYER_SHARE * program.total:
+        best = NearMiss(
+            CASE,
+            PATTERN_LAYERS,
+            found.held,
+            f"{len(found.layers)} layers keep intermediates for the backward pass that a "
+            f"checkpoint on each would free, {fmt_bytes(found.held)} at once, "
+            f"{found.held / (program.total or 1):.0%} of the total (named from "
+            f"{MIN_LAYER_SHARE:.0%})",
+        )
     for chosen in _groups(program):
         j = _judge(program, chosen)
         if j.sentence:
