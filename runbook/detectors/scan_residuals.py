@@ -16,8 +16,8 @@ recomputed: checkpointing the whole scan moved its stacks into the backward pass
 
 The same mechanism without a loop: layers written out one after another (a Python loop,
 or a model's blocks ``Block_0``, ``Block_1``, ...), each keeping its intermediates for the
-backward pass. Their op names say which layer made them (the scope JAX records, as flax and
-equinox name their modules); a checkpoint on each layer keeps only its output.
+backward pass. Their op names say which layer made them (the scope JAX records, as
+flax.linen names its modules); a checkpoint on each layer keeps only its output.
 """
 
 from __future__ import annotations
