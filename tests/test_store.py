@@ -234,6 +234,17 @@ def test_the_suites_producer_writes_down_the_compiles_for_targets_the_package_as
         assert line["store_key"] == _cache.store_key(line["request"], module=line["module"])
 
 
+def test_the_suites_store_leaves_out_diagnoses_made_by_earlier_detectors():
+    # A diagnosis for a target keys the detectors' hash into its request: one made before a
+    # detector changed is never asked for again, so a run of the suite does not keep it.
+    request = {"corpus": "ema-update", "source": "s", "target": "h100"}
+    today = {"module": None, "request": {**request, "detectors": _cache.detectors_hash()}}
+    earlier = {"module": None, "request": {**request, "detectors": "0" * 64}}
+    assert store._current(today)
+    assert not store._current(earlier)
+    assert store._current({"module": None, "request": {"kind": "program", "target": "h100"}})
+
+
 def test_a_program_hashes_alike_whichever_frames_called_the_code_that_traced_it():
     # A page's program is traced under a cell, a kernel and whichever function of the
     # package measured it first: none of those frames may reach its hash.

@@ -179,6 +179,11 @@ def pytest_configure(config: Any) -> None:
 
 
 def _current(entry: Mapping[str, Any]) -> bool:
+    """Whether an entry is still one today's code would ask for: its case module unchanged,
+    and a diagnosis for a target made by today's detectors (their hash is in its request)."""
+    detectors = entry["request"].get("detectors")
+    if detectors is not None and detectors != _cache.detectors_hash():
+        return False
     return not entry["module"] or entry["source"] == _cache.module_hash(entry["module"])
 
 
