@@ -66,6 +66,17 @@ def batch_statistics(program: Program) -> list[StatePair]:
     ]
 
 
+def claimed_elsewhere(program: Program) -> set[tuple[str, int]]:
+    """The values other detectors name, each by one finding: attention scores, logits,
+    values computed whole on every device and vmapped temporaries."""
+    return (
+        attention_scores.scores(program)
+        | vocab_logits.logit_values(program)
+        | resharding.whole(program)
+        | {(v.instruction, v.index) for v, _ in program.shared(vmap_materialize.vmapped)[0]}
+    )
+
+
 def activations(program: Program) -> tuple[list[tuple[Value, Instruction]], int]:
     """The batch's activations that the backward pass reads, and the most live at once."""
     if not program.has_backward:
@@ -73,12 +84,7 @@ def activations(program: Program) -> tuple[list[tuple[Value, Instruction]], int]
     state, batch = _batch(program)
     if not state:
         return [], 0  # a gradient, not a step: nothing to accumulate into
-    claimed = (
-        attention_scores.scores(program)
-        | vocab_logits.logit_values(program)
-        | resharding.whole(program)
-        | {(v.instruction, v.index) for v, _ in program.shared(vmap_materialize.vmapped)[0]}
-    )
+    claimed = program.shared(claimed_elsewhere)
     chosen = []
     for v in program.values:
         inst = program.module.get(v.instruction)
@@ -120,10 +126,21 @@ def near_miss(program: Program) -> NearMiss | None:
     )
 
 
-def detect(program: Program) -> list[Finding]:
+def names(program: Program) -> bool:
+    """Whether this detector names the batch's activations: enough of them, and no
+    statistics of the batch that micro-batches would compute otherwise."""
     chosen, nbytes = program.shared(activations)
-    if not chosen or nbytes < MIN_SHARE * program.total or program.shared(batch_statistics):
+    return (
+        bool(chosen)
+        and nbytes >= MIN_SHARE * program.total
+        and not program.shared(batch_statistics)
+    )
+
+
+def detect(program: Program) -> list[Finding]:
+    if not program.shared(names):
         return []
+    chosen, nbytes = program.shared(activations)
     evidence = [program.buffer(inst, v) for v, inst in chosen]
     lines = sorted({program.describe(inst)[1] for _, inst in chosen} - {""})
     return [

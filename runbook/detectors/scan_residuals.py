@@ -30,7 +30,7 @@ from .._buffers import Buffer
 from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
-from . import attention_scores, grad_accumulation, resharding, vmap_materialize, vocab_logits
+from . import grad_accumulation
 from ._common import kept_for_backward, trip_count
 
 MIN_SHARE = 0.10  # of the total: stacked intermediates a checkpointed body would not store
@@ -335,13 +335,8 @@ def layers(program: Program) -> _Layers | None:
     detector names; the scope whose intermediates hold the most."""
     if not program.has_backward:
         return None
-    claimed = (
-        attention_scores.scores(program)
-        | vocab_logits.logit_values(program)
-        | resharding.whole(program)
-        | {(v.instruction, v.index) for v, _ in program.shared(vmap_materialize.vmapped)[0]}
-    )
-    if grad_accumulation.detect(program):
+    claimed = set(program.shared(grad_accumulation.claimed_elsewhere))
+    if program.shared(grad_accumulation.names):
         claimed |= {
             (v.instruction, v.index) for v, _ in program.shared(grad_accumulation.activations)[0]
         }
