@@ -2,8 +2,9 @@
 
 At a tiny scale each program runs, and each of its fixes computes the same result, in a child
 process (with forced host devices for the multi-device ones). The committed measurements
-(`nox -s real-corpus`, docs/_data/corpus/real.json) cover every program on each target
-measured, and their verdicts follow from their own figures.
+(`nox -s real-corpus`, docs/_data/corpus/real.json) cover every program on the CPU at
+each release (elsewhere the page lists what a target and release still lack), and their
+verdicts follow from their own figures.
 """
 
 from __future__ import annotations
@@ -56,14 +57,16 @@ def test_each_fix_computes_the_same_result(name, child_json):
         assert difference <= program.tolerance, (name, case, difference)
 
 
-def test_the_committed_measurements_cover_every_program_and_follow_from_their_figures():
+def test_the_committed_measurements_say_what_they_cover_and_follow_from_their_figures():
     data = real_corpus.load()
     rows = {(r["program"], r["target"], real_corpus.release(r)): r for r in data["rows"]}
     measured = {(target, release) for _, target, release in rows}
-    assert "cpu" in {target for target, _ in measured}
-    for p in PROGRAMS:  # every program, on every target and release measured at all
-        for target, release in measured:
-            assert (p.name, target, release) in rows, (p.name, target, release)
+    assert {target for target, _ in measured} == set(real_corpus.TARGETS)
+    for release in {release for _, release in measured}:  # the CPU's, every program
+        assert all((p.name, "cpu", release) in rows for p in PROGRAMS), release
+    # Elsewhere a target and release may lack programs (rows that compile for a target may
+    # come a few at a time): the page lists those, per cell.
+    assert {name for name, _, _ in rows} == {p.name for p in PROGRAMS}
     for r in data["rows"]:
         if "error" in r:
             continue
