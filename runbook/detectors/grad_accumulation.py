@@ -66,7 +66,7 @@ def batch_statistics(program: Program) -> list[StatePair]:
     ]
 
 
-def claimed_elsewhere(program: Program) -> set[tuple[str, int]]:
+def claimed_elsewhere(program: Program) -> set[tuple[str, str]]:
     """The values other detectors name, each by one finding: attention scores, logits,
     values computed whole on every device and vmapped temporaries."""
     return (
