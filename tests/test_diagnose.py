@@ -345,6 +345,26 @@ def test_scan_residuals_with_and_without_checkpoint():
     assert not runbook.diagnose(rnn_loss, *RNN).findings  # no backward pass, nothing stored
 
 
+def selective_loss(a, xs):
+    """An elementwise recurrence, as a selective-scan SSM steps its state."""
+
+    def body(h, x):
+        u = jnp.sin(h * x)
+        return a * h + u * u, None
+
+    return jnp.sum(lax.scan(body, jnp.zeros(xs.shape[1:]), xs)[0])
+
+
+def test_scan_residuals_of_a_loop_the_compiler_wraps_in_a_call():
+    # XLA:CPU at jax 0.12 runs a loop like this one as a call of its own (a "small call"):
+    # the stacks leave the loop through the call, and still reach the backward loop.
+    args = (S((64, 128), f32), S((16, 64, 128), f32))
+    (f,) = named(runbook.diagnose(jax.grad(selective_loss), *args), "scan-residuals")
+    kinds = sorted(b.kind for b in f.evidence)
+    assert kinds == ["stacked carry", "stacked intermediate", "stacked intermediate"]
+    assert f.bytes == 3 * 16 * 64 * 128 * 4  # h, h * x and sin(h * x), every step
+
+
 def layers_loss(ws, x, remat=False):
     def layer(h, w):
         return jnp.tanh(jnp.tanh(h @ w) @ w)

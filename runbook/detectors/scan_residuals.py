@@ -122,12 +122,24 @@ def _loop_element(program: Program, inst: Instruction | None, body: str) -> int 
     return None
 
 
+def _wrapped(program: Program, loop: Instruction) -> Instruction:
+    """`loop`, or the call whose computation returns it: XLA:CPU (jax 0.12) wraps a loop
+    in a call of its own, and the loop's result reaches the program through the call."""
+    while loop.root:
+        caller = program.callers.get(loop.computation)
+        if caller is None or caller.opcode != "call":
+            break
+        loop = caller
+    return loop
+
+
 def _consumed_by_loop(program: Program, loop: Instruction, index: int) -> Instruction | None:
     """The later loop element `index` of `loop`'s result flows into (through tuples,
     copies, bitcasts, one-op fusions, calls and async wrappers), or None."""
+    result = _wrapped(program, loop)
     todo = [
         u
-        for u in program.module.users.get(loop.name, [])
+        for u in program.module.users.get(result.name, [])
         if u.opcode == "get-tuple-element" and u.tuple_index == index
     ]
     seen: set[str] = set()
@@ -335,9 +347,9 @@ def layers(program: Program) -> _Layers | None:
     detector names; the scope whose intermediates hold the most."""
     if not program.has_backward:
         return None
-    claimed = set(program.shared(grad_accumulation.claimed_elsewhere))
-    if program.shared(grad_accumulation.names):
-        claimed |= {
+    claimed = program.shared(grad_accumulation.claimed_elsewhere)
+    if program.shared(grad_accumulation.names):  # a new set: the shared one stays as it is
+        claimed = claimed | {
             (v.instruction, v.index) for v, _ in program.shared(grad_accumulation.activations)[0]
         }
     kept = program.shared(kept_for_backward)
