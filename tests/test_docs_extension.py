@@ -228,7 +228,7 @@ def test_sphinx_starts_parallel_reads_in_the_order_asked(tmp_path: pathlib.Path)
     def record(chunk: list[str]) -> None:
         with log.open("a") as f:
             f.write(chunk[0] + "\n")
-        time.sleep(0.3)  # a page outlasts queueing them all, as real pages do
+        time.sleep(1.0)  # a page outlasts queueing them all (forks of a loaded process too)
 
     for nproc in (1, 2):
         log.write_text("")
