@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from flax.training import train_state
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from runbook import _case_types
@@ -149,10 +149,9 @@ def _train_step(
     return new_state, metrics
 
 
-def _shard_mapped(step: Callable[..., Any], devices: list[Any]) -> Any:
+def _shard_mapped(step: Callable[..., Any], mesh: Mesh) -> Any:
     """The same per-device step under `jax.jit` + `jax.shard_map`, layout unchanged: every
     input and output keeps its leading device axis, split over the mesh axis "batch"."""
-    mesh = Mesh(np.array(devices), ("batch",))
 
     def per_device(state: Any, batch: Any) -> Any:
         squeeze = functools.partial(jax.tree.map, lambda x: x[0])
@@ -179,8 +178,9 @@ def _builder(donate: bool = False, shard_map: bool = False, remat: bool = False)
 
         step = functools.partial(_train_step, learning_rate_fn=_learning_rate_fn(),
                                  classes=s["classes"])  # fmt: skip
+        mesh = Mesh(np.array(devices), ("batch",))
         if shard_map:
-            fn = _shard_mapped(step, devices)
+            fn = _shard_mapped(step, mesh)
         else:
             fn = jax.pmap(step, axis_name="batch", devices=devices,
                           donate_argnums=(0,) if donate else ())  # fmt: skip
@@ -188,10 +188,15 @@ def _builder(donate: bool = False, shard_map: bool = False, remat: bool = False)
         batch_shape = {"image": (n, b, s["image"], s["image"], 3), "label": (n, b)}
         if not concrete:
             shape = jax.eval_shape(create, jax.random.key(0), image)
-            state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), shape)
+            # The shard_map step's inputs are split over its mesh, as a user's would be: on
+            # a target's devices, an input with no sharding would sit on one device alone.
+            split = {"sharding": NamedSharding(mesh, P("batch"))} if shard_map else {}
+            state = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, **split), shape
+            )
             abstract = {
-                "image": jax.ShapeDtypeStruct(batch_shape["image"], jnp.float32),
-                "label": jax.ShapeDtypeStruct(batch_shape["label"], jnp.int32),
+                "image": jax.ShapeDtypeStruct(batch_shape["image"], jnp.float32, **split),
+                "label": jax.ShapeDtypeStruct(batch_shape["label"], jnp.int32, **split),
             }
             return fn, (state, abstract)
         k_init, k_image, k_label = jax.random.split(jax.random.key(0), 3)
