@@ -178,19 +178,20 @@ def _builder(donate: bool = False, shard_map: bool = False, remat: bool = False)
 
         step = functools.partial(_train_step, learning_rate_fn=_learning_rate_fn(),
                                  classes=s["classes"])  # fmt: skip
-        mesh = Mesh(np.array(devices), ("batch",))
         if shard_map:
+            mesh = Mesh(np.array(devices), ("batch",))
             fn = _shard_mapped(step, mesh)
+            # Its abstract inputs are split over its mesh, as a user's would be: on a
+            # target's devices, an input with no sharding would sit on one device alone.
+            split = {"sharding": NamedSharding(mesh, P("batch"))}
         else:
             fn = jax.pmap(step, axis_name="batch", devices=devices,
                           donate_argnums=(0,) if donate else ())  # fmt: skip
+            split = {}  # a pmap places its inputs itself
         n, b = DEVICES, s["per_device"]
         batch_shape = {"image": (n, b, s["image"], s["image"], 3), "label": (n, b)}
         if not concrete:
             shape = jax.eval_shape(create, jax.random.key(0), image)
-            # The shard_map step's inputs are split over its mesh, as a user's would be: on
-            # a target's devices, an input with no sharding would sit on one device alone.
-            split = {"sharding": NamedSharding(mesh, P("batch"))} if shard_map else {}
             state = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, **split), shape
             )
