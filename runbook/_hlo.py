@@ -33,6 +33,16 @@ _NAME = re.compile(r"%?([\w.\-]+(?:#\d+)?)")
 # a get-tuple-element instruction; the reader restores the instruction (named ``while.12#2``)
 # so that every detector sees one program structure, whichever XLA printed it.
 _PROJECTION = re.compile(r"^(.+)#(\d+)$")
+_CALLS = re.compile(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
+_CALLED = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_INDEX = re.compile(r"\bindex=(\d+)")
+# Read on every instruction line of a dump: compiled once.
+_OPCODE = re.compile(r"([\w\-]+)\(")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_SOURCE_LINE = re.compile(r'source_file="([^"]*)" source_line=(\d+)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,20 +112,19 @@ class Instruction:
     source: str = ""
     root: bool = False
 
-    @property
+    @functools.cached_property
     def calls(self) -> tuple[str, ...]:
         """Computations this instruction runs (a fusion's body, a while's body and condition)."""
-        found = re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", self.attributes)
-        if m := re.search(
-            r"(?:branch_computations|called_computations)=\{([^}]*)\}", self.attributes
-        ):
+        # Cached: the detectors walk the module through these many times.
+        found = _CALLS.findall(self.attributes)
+        if m := _CALLED.search(self.attributes):
             found += [n.strip().lstrip("%") for n in m[1].split(",") if n.strip()]
         return tuple(found)
 
     @property
     def trip_count(self) -> int | None:
         """A while loop's known trip count, when XLA recorded one."""
-        m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', self.attributes)
+        m = _TRIP_COUNT.search(self.attributes)
         return int(m[1]) if m else None
 
     @property
@@ -126,7 +135,7 @@ class Instruction:
 
     @property
     def tuple_index(self) -> int | None:
-        m = re.search(r"\bindex=(\d+)", self.attributes)
+        m = _INDEX.search(self.attributes)
         return int(m[1]) if m else None
 
 
@@ -145,7 +154,7 @@ def _split_shape(rest: str) -> tuple[str, str]:
 
 def _split_call(text: str) -> tuple[str, str, str] | None:
     """``"fusion(%a, %b), kind=kLoop"`` -> ("fusion", "%a, %b", ", kind=kLoop")."""
-    m = re.match(r"([\w\-]+)\(", text)
+    m = _OPCODE.match(text)
     if m is None:
         return None
     depth, start = 0, m.end() - 1
@@ -250,6 +259,17 @@ class Module:
             inst = nxt
         return inst
 
+    def returned(self, inst: Instruction) -> Instruction:
+        """For the root of a computation a call runs: the call, whose result it is (likewise
+        out of nested calls; XLA:CPU at jax 0.12 runs a loop as a call of its own); else
+        `inst`. What `outside` is to a parameter, this is to a result."""
+        while inst.root:
+            caller = self.callers.get(inst.computation)
+            if caller is None or caller.opcode != "call":
+                break
+            inst = caller
+        return inst
+
     def operand(self, inst: Instruction, k: int) -> Instruction | None:
         """The `k`-th operand of `inst`; a fusion's parameter resolved to the caller's operand."""
         if k >= len(inst.operands):
@@ -350,6 +370,7 @@ class Module:
 def parse_module(text: str) -> Module:
     """Parse the text XLA prints for an optimised module (``compiled.as_text()`` or a dump)."""
     frames = source_frames(text)
+    shapes: dict[str, Shape] = {}  # one object per distinct text: each parsed once
     computations: dict[str, list[Instruction]] = {}
     entry = name = computation = ""
     aliases: dict[tuple[int, ...], int] = {}
@@ -378,7 +399,7 @@ def parse_module(text: str) -> Module:
         if call is None:
             continue
         opcode, operand_text, attributes = call
-        operand_text = re.sub(r"/\*.*?\*/", "", operand_text)  # "/*index=5*/%a" -> "%a"
+        operand_text = _COMMENT.sub("", operand_text)  # "/*index=5*/%a" -> "%a"
         if opcode in ("parameter", "constant", "iota"):
             operands = tuple(o.strip() for o in operand_text.split(",") if o.strip())[:1]
         else:
@@ -387,19 +408,17 @@ def parse_module(text: str) -> Module:
                 for o in operand_text.split(",")
                 if (m := _NAME.search(o.strip().split(" ")[-1]))
             )
-        op_name = (
-            m[1].replace("\\'", "'") if (m := re.search(r'op_name="([^"]*)"', attributes)) else ""
-        )
+        op_name = m[1].replace("\\'", "'") if (m := _OP_NAME.search(attributes)) else ""
         source = ""
-        if (m := re.search(r"stack_frame_id=(\d+)", attributes)) is not None:
+        if (m := _FRAME_ID.search(attributes)) is not None:
             source = frames.get(m[1], "")
-        elif (m := re.search(r'source_file="([^"]*)" source_line=(\d+)', attributes)) is not None:
+        elif (m := _SOURCE_LINE.search(attributes)) is not None:
             source = f"{_short_path(m[1])}:{m[2]}"
         computations[computation].append(
             Instruction(
                 inst_name,
                 computation,
-                Shape(shape),
+                shapes.setdefault(shape, Shape(shape)),
                 opcode,
                 operands,
                 attributes,

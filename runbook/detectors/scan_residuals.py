@@ -122,21 +122,10 @@ def _loop_element(program: Program, inst: Instruction | None, body: str) -> int 
     return None
 
 
-def _wrapped(program: Program, loop: Instruction) -> Instruction:
-    """`loop`, or the call whose computation returns it: XLA:CPU (jax 0.12) wraps a loop
-    in a call of its own, and the loop's result reaches the program through the call."""
-    while loop.root:
-        caller = program.callers.get(loop.computation)
-        if caller is None or caller.opcode != "call":
-            break
-        loop = caller
-    return loop
-
-
 def _consumed_by_loop(program: Program, loop: Instruction, index: int) -> Instruction | None:
     """The later loop element `index` of `loop`'s result flows into (through tuples,
     copies, bitcasts, one-op fusions, calls and async wrappers), or None."""
-    result = _wrapped(program, loop)
+    result = program.module.returned(loop)  # out of the call XLA:CPU may wrap it in
     todo = [
         u
         for u in program.module.users.get(result.name, [])
