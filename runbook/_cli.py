@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
         "diagnose", help="name the known memory problems of your own function, and their fixes"
     )
     _program_arguments(diag, "compile for this device and say whether it fits")
+    diag.add_argument(
+        "--measure-fixes",
+        action="store_true",
+        help="also compile the mechanical fixes it names (donating arguments) and measure "
+        "what each saves: one more compile each",
+    )
     watch = sub.add_parser(
         "watch",
         help="run your own training loop under runbook.watch: what grows, what recompiles",
@@ -114,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "diagnose":
             if args.target is not None:
                 get_target(args.target)
-            diagnosis = diagnose_locator(args.function, args.args, target=args.target)
+            diagnosis = diagnose_locator(
+                args.function, args.args, target=args.target, measure_fixes=args.measure_fixes
+            )
             print(json.dumps(diagnosis.to_json(), indent=1) if args.json else diagnosis)
             return 0
 

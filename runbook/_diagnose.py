@@ -471,7 +471,7 @@ def diagnose(
     target: str | _targets.Target | None = None,
     compiler_options: Mapping[str, Any] | None = None,
     detectors: Sequence[Callable[[Program], list[Finding]]] | None = None,
-    measure_fixes: bool = True,
+    measure_fixes: bool = False,
     name: str | None = None,
 ) -> Diagnosis:
     """Compile `fn` for `args` and name the known memory problems in the compiled program.
@@ -490,8 +490,9 @@ def diagnose(
         compiler_options: XLA options for the compilation. On CPU the diagnosis turns off
             XLA:CPU's YNNPACK fusion, whose working memory the buffer assignment leaves out.
         detectors: the detectors to run (default: all of `runbook.detectors.DETECTORS`).
-        measure_fixes: compile mechanical fixes (donating an argument) to measure what
-            they save; off, findings carry no measured saving.
+        measure_fixes: also compile the mechanical fixes the findings name (donating
+            arguments) and measure what each saves: one more compile each. Off (the
+            default), the program is compiled once, and findings carry no measured saving.
         name: a label for the program (default: the function's name).
 
     Returns:
@@ -560,7 +561,11 @@ def _peak(program: Program) -> tuple[int | None, tuple[Buffer, ...], str]:
 
 
 def diagnose_locator(
-    locator: str, args_locator: str | None = None, *, target: str | None = None
+    locator: str,
+    args_locator: str | None = None,
+    *,
+    target: str | None = None,
+    measure_fixes: bool = False,
 ) -> Diagnosis:
     """`diagnose` for a locator ``file.py:function``, its arguments from the locator
     ``file.py:make_args`` (called with no arguments).
@@ -572,5 +577,7 @@ def diagnose_locator(
     return call_located(
         locator,
         args_locator,
-        lambda fn, args, name: diagnose(fn, *args, target=target, name=name),
+        lambda fn, args, name: diagnose(
+            fn, *args, target=target, name=name, measure_fixes=measure_fixes
+        ),
     )

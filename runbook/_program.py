@@ -225,7 +225,7 @@ class Program:
         target: _targets.Target | None,
         options: Mapping[str, Any],
         *,
-        measure_fixes: bool = True,
+        measure_fixes: bool = False,
         refused: dict[str, Any] | None = None,
     ) -> None:
         self.fn, self.args, self.report = fn, tuple(args), report
@@ -253,7 +253,7 @@ class Program:
         target: _targets.Target | None = None,
         compiler_options: Mapping[str, Any] | None = None,
         name: str | None = None,
-        measure_fixes: bool = True,
+        measure_fixes: bool = False,
         keep_refused: bool = False,
     ) -> Program:
         """Compile `fn` for `args` (abstract welcome) and read back XLA's dump.

@@ -168,7 +168,7 @@ def test_debug_nans_drops_the_donation_asked_for_and_diagnose_says_so(debug_nans
         return state - 0.1 * grad
 
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
-    (found,) = runbook.diagnose(jax.jit(step, donate_argnums=0), x, x).findings
+    (found,) = runbook.diagnose(jax.jit(step, donate_argnums=0), x, x, measure_fixes=True).findings
     assert found.pattern == "donation turned off by jax_debug_nans"
     assert found.saving == found.bytes == 1024 * 1024 * 4
     assert "jax_debug_nans" in found.fix
@@ -183,3 +183,27 @@ def test_the_debug_nans_claim_is_measured_on_fresh_traces():
     assert found["kept"] == found["off"]  # traced before the flag: its donation stays
     assert found["on"] == 0
     assert not jax.config.values["jax_debug_nans"]  # the flag is restored
+
+
+def test_diagnose_compiles_once_and_measures_donating_only_when_asked():
+    # The corpus's dropout: its output, computed from the activation, beside it. Compiled
+    # once, diagnose names donating the activation (a false alarm on CPU, pinned in
+    # runbook/site/corpus/known.py); compiled again with it donated, XLA:CPU saves nothing,
+    # its output's buffer having held the random bits first, and no finding is made.
+    from runbook.site import corpus
+
+    fn, args = corpus.get("dropout-mask").build()
+    (once,) = [f for f in runbook.diagnose(fn, *args).findings if f.case == "donation"]
+    assert once.saving is None
+    assert once.bytes == args[1].size * args[1].dtype.itemsize
+    assert not [f for f in runbook.diagnose(fn, *args, measure_fixes=True).findings
+                if f.case == "donation"]  # fmt: skip
+    donated = jax.jit(fn, donate_argnums=1)
+    assert runbook.measure(donated, *args).total == runbook.measure(fn, *args).total
+    # For the H100 and the v5e, donating it frees the whole activation.
+    for target in ("h100", "v5e"):
+        saved = (
+            runbook.measure(fn, *args, target=target).total
+            - runbook.measure(donated, *args, target=target).total
+        )
+        assert saved == once.bytes, target
