@@ -129,23 +129,36 @@ def moved_input(program: Program, inst: Instruction | None) -> Instruction | Non
     return None
 
 
+def is_product(inst: Instruction) -> bool:
+    """A matrix product or a convolution: XLA's own, or a GPU library call (a cuBLAS gemm)."""
+    return inst.opcode in PRODUCTS or (
+        inst.opcode == "custom-call" and any(k in inst.attributes for k in ("gemm", "matmul"))
+    )
+
+
+def fusion_part(program: Program, inst: Instruction) -> list[Instruction] | None:
+    """When `inst` is one result of a multi-output fusion (a get-tuple-element of it), the
+    instructions inside the fusion that compute that result; else None."""
+    if inst.opcode != "get-tuple-element" or not inst.operands:
+        return None
+    fusion = program.module.get(inst.operands[0])
+    if fusion is None or fusion.opcode != "fusion" or not fusion.calls:
+        return None
+    root = program.module.root(fusion.calls[0])
+    k = inst.tuple_index
+    if root is None or root.opcode != "tuple" or k is None or k >= len(root.operands):
+        return None
+    element = root.operands[k]
+    found = (program.module.get(n) for n in {element} | program.module.ancestors(element))
+    return [i for i in found if i is not None]
+
+
 def reads(program: Program, inst: Instruction) -> list[Instruction]:
     """What `inst` computes its result from: its operands, or, for one result of a
     multi-output fusion, the operands that result's part of the fusion reads."""
-    if inst.opcode == "get-tuple-element" and inst.operands:
-        fusion = program.module.get(inst.operands[0])
-        root = program.module.root(fusion.calls[0]) if fusion and fusion.calls else None
-        k = inst.tuple_index
-        if (
-            fusion
-            and fusion.opcode == "fusion"
-            and root
-            and root.opcode == "tuple"
-            and k is not None
-        ):
-            element = root.operands[k]
-            inside = [program.module.get(n) for n in {element} | program.module.ancestors(element)]
-            return [program.outside(i) for i in inside if i is not None and i.opcode == "parameter"]
+    part = fusion_part(program, inst)
+    if part is not None:
+        return [program.outside(i) for i in part if i.opcode == "parameter"]
     found = (program.operand(inst, k) for k in range(len(inst.operands)))
     return [i for i in found if i is not None]
 

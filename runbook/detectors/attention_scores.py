@@ -16,7 +16,7 @@ from .._hlo import Instruction, Shape, Value
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
 from . import resharding
-from ._common import PRODUCTS, at_peak, made_from, moved_input
+from ._common import at_peak, is_product, made_from, moved_input
 
 MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
 MIN_TOKENS = 128  # a shorter sequence's scores are small whatever the program does
@@ -95,10 +95,9 @@ def _scored(program: Program, tokens: int) -> bool:
         dims = inst.shape.dims
         if tokens not in dims or math.prod(dims) < tokens * tokens:
             continue
-        # A product may print the scores with other axes merged into T's: (b, h * T, T).
-        if (inst.opcode in PRODUCTS and _compares(program, inst, tokens)) or (
-            inst.opcode == "custom-call" and any(k in inst.attributes for k in ("gemm", "matmul"))
-        ):
+        # A product may print the scores with other axes merged into T's: (b, h * T, T). A
+        # GPU library call's operands are not read: its shape is all there is to go on.
+        if is_product(inst) and (inst.opcode == "custom-call" or _compares(program, inst, tokens)):
             products.add(inst.name)
     return bool(products) and any(
         inst.opcode == "exponential"

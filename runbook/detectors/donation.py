@@ -16,11 +16,10 @@ from typing import Any
 import jax
 
 from .._errors import RunbookError
-from .._hlo import Instruction
 from .._measure import _is_pmap, compile_fn
 from .._program import Finding, Program, finding
 from .._render import fmt_bytes
-from ._common import PRODUCTS, StatePair, moved_input, source_of, state_pairs
+from ._common import StatePair, fusion_part, is_product, moved_input, source_of, state_pairs
 
 MIN_SHARE = 0.10  # of the program's total: undonated state below this is not reported
 PATTERN = "state outputs not donated"
@@ -82,34 +81,18 @@ def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
     )
 
 
-def _computing(program: Program, inst: Instruction) -> list[Instruction]:
-    """The instructions that compute `inst`'s value: itself, and inside a fusion the part
-    of it that makes this result (one element of a multi-output fusion's tuple)."""
-    inst = source_of(program, inst)
-    module = program.module
-    fusion = module.get(inst.operands[0]) if inst.opcode == "get-tuple-element" else None
-    root = module.root(fusion.calls[0]) if fusion is not None and fusion.calls else None
-    k = inst.tuple_index
-    if root is not None and root.opcode == "tuple" and k is not None and k < len(root.operands):
-        element = root.operands[k]
-        return [i for n in {element} | module.ancestors(element) if (i := module.get(n))]
-    return [inst, *module.inner_ops(inst)]
-
-
 def _factor(program: Program, pair: StatePair) -> bool:
     """Whether the pair's input is a factor of a matrix product that computes its output
     (``a @ a``): a product reads all of a factor for each element it writes, so it cannot
     be written over it, and donating the input could only add a copy. An input added to a
     product (``p - x.T @ g``, a GPU gemm's addend) is not a factor."""
-    for inst in _computing(program, pair.output):
-        gemm = inst.opcode == "custom-call" and any(
-            k in inst.attributes for k in ("gemm", "matmul")
-        )
-        if inst.opcode in PRODUCTS or gemm:
-            for k in (0, 1):
-                found = moved_input(program, program.operand(inst, k))
-                if found is not None and found.parameter_number == pair.parameter.number:
-                    return True
+    made = source_of(program, pair.output)
+    computing = fusion_part(program, made) or [made, *program.module.inner_ops(made)]
+    for inst in (i for i in computing if is_product(i)):
+        for k in (0, 1):
+            found = moved_input(program, program.operand(inst, k))
+            if found is not None and found.parameter_number == pair.parameter.number:
+                return True
     return False
 
 
@@ -133,7 +116,10 @@ def detect(program: Program) -> list[Finding]:
     if saving is not None:
         measured = f" Compiled again with donate_argnums={argnums}: {fmt_bytes(saving)} less."
     elif argnums and not program.measure_fixes:  # diagnose compiles once unless asked
-        measured = " The saving is not measured: diagnose(..., measure_fixes=True) measures it."
+        measured = (
+            " The saving is not measured: diagnose(..., measure_fixes=True) measures it"
+            " (--measure-fixes on the command line)."
+        )
     else:
         measured = ""
     names = ", ".join(p.parameter.path for p in pairs[:3]) + (", ..." if len(pairs) > 3 else "")
