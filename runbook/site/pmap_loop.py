@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _subprocess, _targets
+from .. import _cache, _subprocess, _targets
 from .._case import CaseResult, measure_case
-from .._measure import MemoryReport, compile_fn, measure
+from .._measure import MemoryReport, _name, compile_lowered, lower_fn, measure, program_hash
 from .._render import fmt_bytes
 from ..cases._setup.pmap_loop import replicated_args, serial_args, sharded_pmap_args
 from ..cases.pmap_loop import (
@@ -41,9 +41,23 @@ def toy_expensive(row: jax.Array) -> jax.Array:
     return jnp.sum(row**2)
 
 
-def _count_products(compiled: Any) -> int:
-    """Matrix products in the optimised program (each unrolled iteration adds one)."""
-    return len(_PRODUCT.findall(compiled.as_text()))
+def _count_products(
+    fn: Any, *args: Any, compiler_options: dict[str, Any], target: str | None
+) -> int:
+    """Matrix products in `fn`'s optimised program (each unrolled iteration adds one).
+    Cached like a measurement, by the program (a compile for a target is read from the
+    docs' store)."""
+    t = _targets.resolve(target)
+    lowered = lower_fn(fn, *args, target=t)
+
+    def compute() -> int:
+        compiled = compile_lowered(lowered, name=_name(fn), compiler_options=compiler_options,
+                                   target=t)  # fmt: skip
+        return len(_PRODUCT.findall(compiled.as_text()))
+
+    request = {"kind": "products", "program": program_hash(lowered), "options": compiler_options,
+               "target": t.name if t else None}  # fmt: skip
+    return int(_cache.cached(request, compute, module=__name__))
 
 
 def claims(
@@ -104,9 +118,10 @@ def _claims(result: CaseResult, target: str | None) -> list[Claim]:
         )
     )
     args = replicated_args(scale, {"iterations": hi}, False)
-    unrolled = compile_fn(_pmapped(loop_sum), *args, compiler_options=opts, target=target)
-    rolled = compile_fn(_pmapped(fori_sum), *args, compiler_options=opts, target=target)
-    n_unrolled, n_rolled = _count_products(unrolled), _count_products(rolled)
+    n_unrolled, n_rolled = (
+        _count_products(_pmapped(f), *args, compiler_options=opts, target=target)
+        for f in (loop_sum, fori_sum)
+    )
     out.append(
         Claim(
             "eager-compile",

@@ -12,8 +12,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from .. import _cache, _targets
 from .._case import CaseResult, measure_case
-from .._measure import MemoryReport, compile_fn, measure
+from .._measure import MemoryReport, _name, compile_lowered, lower_fn, measure, program_hash
 from .._render import Table, fmt_bytes
 from ..cases._setup.vocab_logits import args as _args
 from ..cases._setup.vocab_logits import grad as _grad
@@ -40,11 +41,20 @@ def one_hot_arrays(fn: Any, *args: Any, target: str | None = None) -> list[tuple
     """Tokens x vocabulary arrays the compiled program computes from the labels alone.
 
     Those are one-hot labels (possibly scaled), materialised: (HLO shape, bytes) of each
-    fusion of the optimised program whose only operand is the `labels` argument.
+    fusion of the optimised program whose only operand is the `labels` argument. Cached like
+    a measurement, by the program (a compile for a target is read from the docs' store).
     """
     n, v = args[0].shape[0], args[1].shape[1]
-    text = compile_fn(fn, *args, target=target).as_text()
-    found = re.findall(rf"= (\w+)\[{n},{v}\]\S* fusion\(%?labels[.\d]*\)", text)
+    t = _targets.resolve(target)
+    lowered = lower_fn(fn, *args, target=t)
+
+    def compute() -> list[str]:
+        text = compile_lowered(lowered, name=_name(fn), target=t).as_text()
+        return re.findall(rf"= (\w+)\[{n},{v}\]\S* fusion\(%?labels[.\d]*\)", text)
+
+    request = {"kind": "one-hot-arrays", "program": program_hash(lowered),
+               "target": t.name if t else None}  # fmt: skip
+    found: list[str] = _cache.cached(request, compute, module=__name__)
     return [
         (f"{dtype}[{n},{v}]", n * v * jnp.dtype(_HLO_DTYPES[dtype]).itemsize) for dtype in found
     ]
