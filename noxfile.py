@@ -193,7 +193,7 @@ def versions(session: nox.Session, release: str) -> None:
     )
 
 
-@nox.session(default=False)
+@nox.session(default=False, python=ENDS["newest"][0])
 def bench(session: nox.Session) -> None:
     """Time measuring, its overhead over a bare compile, each fix's run time and the docs
     builds (cold, warm, after a one-line case edit). Writes docs/_data/bench/bench.json."""
@@ -203,7 +203,9 @@ def bench(session: nox.Session) -> None:
                 env=CPU_ONLY)  # fmt: skip
 
 
-@nox.session(default=False)
+# The docs' own Python, whatever runs nox: a store made at another release would answer for
+# nothing the site's build asks (its entries are keyed by the compilers' versions).
+@nox.session(default=False, python=ENDS["newest"][0])
 def store(session: nox.Session) -> None:
     """Build the site (every page executes) and write docs/_store: each program it compiled
     for a GPU or TPU target, as measured, for builds elsewhere to read instead of compiling.
