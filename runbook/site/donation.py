@@ -34,7 +34,6 @@ from ..cases.donation import (
     update_read_once,
     update_read_update,
 )
-from ..detectors.donation import debug_nans
 from ._claims import Claim, verdict
 from ._pages import cited_reports_table
 
@@ -321,7 +320,10 @@ def debug_nans_aliases(scale: str = "seed", target: str | None = None) -> dict[s
     args = case.inputs(v, size, case.grid(size)[0], False)
 
     def traced(flag: bool, step: Any = None) -> int:
-        with debug_nans(flag):
+        # JAX's own context: the flag is set for this thread alone. Set process-wide, it
+        # turned donation off in the programs other targets' threads traced meanwhile
+        # (`claims_by_target`), and the store held a different one each build.
+        with jax.debug_nans(flag):
             step = step or jax.jit(lambda *a: donation.train_step(*a), donate_argnums=(0, 1))
             return measure(step, *args, target=target, name="donated_step").alias
 
