@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import pathlib
@@ -10,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import jax
@@ -91,17 +93,37 @@ def _merge(fresh: str, into: str | None) -> None:
             partial.replace(target)
 
 
+@contextlib.contextmanager
+def one_timing_at_a_time() -> Iterator[None]:
+    """Hold the run's timing lock: no two of the xdist workers time a measurement at once.
+
+    A compile for a GPU or TPU target runs on several threads; two at once on CI's two cores
+    each took about twice their time alone (sharding-replicated for the v5e: 20 s alone,
+    36 s beside another), so a bar on seconds measured the neighbour. Waiting for the lock
+    is not timed; the other worker's untimed tests still run meanwhile.
+    """
+    folder = os.environ.get(_cache.ENV_VAR) or tempfile.gettempdir()
+    with (pathlib.Path(folder) / ".timing.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def timed() -> Callable[..., tuple[Any, float]]:
     """``timed(case, **options)``: the case measured at seed scale from an empty cache (a
-    compile for a target is still read from the store), and the seconds it took; what it
-    computed then joins the run's cache."""
+    compile for a target is still read from the store), and the seconds it took, timed
+    while no other worker times one (`one_timing_at_a_time`); what it computed then joins
+    the run's cache."""
 
     def measure(case: str, **options: Any) -> tuple[Any, float]:
         shared = os.environ.get(_cache.ENV_VAR)
         with (
             pytest.MonkeyPatch.context() as mp,
             tempfile.TemporaryDirectory(prefix="runbook-timed-") as fresh,
+            one_timing_at_a_time(),
         ):
             mp.setenv(_cache.ENV_VAR, fresh)
             start = time.perf_counter()
