@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +177,33 @@ def test_debug_nans_drops_the_donation_asked_for_and_diagnose_says_so(debug_nans
     # Without a donation asked for, the usual advice: donate.
     (plain,) = runbook.diagnose(jax.jit(step), x, x).findings
     assert plain.pattern == "state outputs not donated"
+
+
+def test_measuring_the_donated_step_leaves_other_threads_flag_alone(debug_nans, monkeypatch):
+    # diagnose(measure_fixes=True) compiles the step again donated, with jax_debug_nans off
+    # while it traces; a thread tracing beside it (diagnoses per target in threads) must
+    # still see the flag on, or its donation is silently turned off.
+    from runbook.detectors import donation as detector
+
+    seen = {}
+
+    def compile_fn(fn, *args, **kwargs):
+        seen["here"] = jax.config.values["jax_debug_nans"]
+        beside = threading.Thread(target=lambda: seen.update(beside=jax.config.jax_debug_nans))
+        beside.start()
+        beside.join()
+        return real(fn, *args, **kwargs)
+
+    real = detector.compile_fn
+    monkeypatch.setattr(detector, "compile_fn", compile_fn)
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    # what measure_donated reads of a diagnosed program
+    program = types.SimpleNamespace(
+        fn=lambda s, g: s - 0.1 * g, args=(x, x), options={}, target=None
+    )
+    assert detector.measure_donated(program, (0,)) is not None
+    assert seen == {"here": False, "beside": True}
+    assert jax.config.values["jax_debug_nans"]  # on again here, as the fixture set it
 
 
 def test_the_debug_nans_claim_is_measured_on_fresh_traces():

@@ -8,9 +8,7 @@ once. Donating lets the outputs reuse the inputs' buffers.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -45,17 +43,6 @@ def donation_blocked(fn: Any) -> bool:
     return asked and bool(jax.config.values["jax_debug_nans"])
 
 
-@contextlib.contextmanager
-def debug_nans(flag: bool) -> Iterator[None]:
-    """Inside, ``jax_debug_nans`` is `flag`; afterwards, what it was."""
-    before = jax.config.values["jax_debug_nans"]
-    jax.config.update("jax_debug_nans", flag)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_debug_nans", before)
-
-
 def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
     """The program's total with `argnums` donated (compiled the same way, with
     ``jax_debug_nans`` off while it traces: on, JAX would donate nothing), or None."""
@@ -63,7 +50,9 @@ def measure_donated(program: Program, argnums: tuple[int, ...]) -> int | None:
         return None  # jax.pmap: donation is its own argument; not applied mechanically
     donated = jax.jit(program.fn, donate_argnums=argnums)
     try:
-        with warnings.catch_warnings(), debug_nans(False):
+        # JAX's own context sets the flag for this thread alone: set process-wide, it would
+        # turn donation off in a step another thread traced meanwhile.
+        with warnings.catch_warnings(), jax.debug_nans(False):
             warnings.simplefilter("ignore")  # "some donated buffers were not usable"
             # Only its figures are read: no dump to write and parse.
             stats = compile_fn(
