@@ -404,6 +404,54 @@ def test_layers_written_out_keep_their_intermediates_named_without_a_loop():
         assert (saving >= f.bytes // 2) == LAYER_CHECKPOINT_PAYS_ON_CPU[jax.__version__], saving
 
 
+def wide_layers_loss(ws, x):
+    # Each layer widens 4x and narrows back: its largest value is the wide intermediate,
+    # not its output, which is the next layer's input.
+    for i, (up, down) in enumerate(ws):
+        with jax.named_scope(f"block_{i}"):
+            x = jnp.tanh(jnp.tanh(x @ up) @ down)
+    return jnp.sum(x)
+
+
+WIDE = ([(S((512, 2048), f32), S((2048, 512), f32))] * 6, S((2048, 512), f32))
+
+
+def test_a_layers_output_is_what_the_next_layer_reads_not_its_largest_value():
+    d = runbook.diagnose(jax.grad(wide_layers_loss), *WIDE)
+    (f,) = named(d, "scan-residuals")
+    assert f.pattern == "each layer's intermediates kept for the backward pass"
+    # Each layer's wide tanh is kept for the backward pass and freed by a checkpoint: all
+    # but one layer's count. Taking each layer's largest value for its output left them out.
+    wide = 2048 * 2048 * 4
+    assert {b.shape for b in f.evidence} >= {"f32[2048,2048]"}, f.evidence
+    assert 5 * wide <= f.bytes <= d.report.total
+
+
+def attention_layers_loss(ws, x):
+    for i, w in enumerate(ws):
+        with jax.named_scope(f"block_{i}"):
+            q, k = x @ w, x @ w.T
+            scores = jax.nn.softmax(q @ k.T / 8.0, axis=-1)
+            x = jnp.tanh(scores @ x)
+    return jnp.sum(x)
+
+
+ATTENTION_LAYERS = ([S((64, 64), f32)] * 4, S((2048, 64), f32))
+
+
+def test_layers_whose_intermediates_are_attention_scores_name_both_and_count_each_once():
+    # Each layer keeps its 2048 x 2048 scores for the backward pass: attention scores, and
+    # what a checkpoint on each layer would free. Both are named; the bytes count once.
+    d = runbook.diagnose(jax.grad(attention_layers_loss), *ATTENTION_LAYERS)
+    (scores,) = named(d, "attention-scores")
+    (layers,) = named(d, "scan-residuals")
+    assert layers.pattern == "each layer's intermediates kept for the backward pass"
+    assert scores.bytes + layers.bytes <= d.report.total
+    assert layers.bytes < 0.10 * d.report.total < scores.bytes
+    assert "counted once, there" in layers.detail, layers.detail
+    assert sum(f.bytes for f in d.findings if not f.informational) <= d.report.total
+
+
 def per_example(row):
     a = row.reshape(-1, 256)
     return jnp.sum(jnp.tanh(a @ a.T))

@@ -56,10 +56,11 @@ def rule() -> str:
         f"{MIN_STEPS} steps or more, where nesting would store {MIN_NEST_GAIN}x fewer; a "
         "stacking loop inside the reverse-mode pass is named a checkpointed scan recomputed; "
         "without a loop, temporaries the backward pass reads, grouped by the numbered scope "
-        "that made them (layer_0, layer_1, ...: at least two layers), none another "
-        "detector's, reported when all but each layer's largest (its output, which a "
+        "that made them (layer_0, layer_1, ...: at least two layers), reported when all but "
+        "each layer's output (what the forward pass reads outside the layer, which a "
         "checkpoint keeps) hold, less one layer's worth, at least "
-        f"{MIN_LAYER_SHARE:.0%} of the total"
+        f"{MIN_LAYER_SHARE:.0%} of the total; the values another detector names count "
+        "toward that share and under their own finding"
     )
 
 
@@ -327,13 +328,57 @@ def _layer(op: str) -> tuple[str, int] | None:
 class _Layers:
     family: str  # the scope, its number left out
     layers: dict[int, list[tuple[Value, Instruction]]]  # each layer's values, its output left out
+    own: list[tuple[Value, Instruction]]  # those that no other detector names
     held: int  # what a checkpoint on each layer frees: all of them, less one layer's
+    # The same, counting the values another detector names (attention scores, logits) that
+    # a checkpoint on each layer frees too; `held` leaves them to their own findings.
+    freed: int
+    shared: int  # how many of the values it counts are another detector's
+
+
+def _same_scope(a: tuple[str, int] | None, b: tuple[str, int]) -> bool:
+    """Whether two ops are in the same layer: the same numbered scope, whatever scopes and
+    transformations its op name is inside (an op fused or traced apart may lack them)."""
+    return a is not None and a[1] == b[1] and a[0].rsplit("/", 1)[-1] == b[0].rsplit("/", 1)[-1]
+
+
+def _outputs(
+    program: Program, scope: tuple[str, int], values: list[tuple[Value, Instruction]]
+) -> set[str]:
+    """The instructions of a layer's values that the forward pass reads outside the layer
+    (through moves): its output, which a checkpoint keeps, as the next layer's input."""
+    out = set()
+    for _, inst in values:
+        todo, seen = [inst.name], set()
+        while todo and inst.name not in out:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for user in program.module.users.get(n, ()):
+                if user.opcode in _MOVES:
+                    todo.append(user.name)
+                elif not program.backward_ancestry(user.name) and not _same_scope(
+                    _layer(program.describe(user)[0]), scope
+                ):
+                    out.add(inst.name)
+                    break
+    return out
+
+
+def _freed(program: Program, by_layer: dict[int, list[tuple[Value, Instruction]]]) -> int:
+    """What a checkpoint on each layer frees of these values: all of them live at the peak,
+    less one layer's, which the backward pass recomputes at a time."""
+    one = max((program.peak(v for v, _ in values) for values in by_layer.values()), default=0)
+    return max(program.peak(v for values in by_layer.values() for v, _ in values) - one, 0)
 
 
 def layers(program: Program) -> _Layers | None:
     """The written-out layers whose intermediates the backward pass reads: per numbered
-    scope, the temporaries outside loops that the reverse-mode pass reads and no other
-    detector names; the scope whose intermediates hold the most."""
+    scope, the temporaries outside loops that the reverse-mode pass reads, less each
+    layer's output (what the forward pass reads outside the layer); the scope whose
+    intermediates hold the most. Values another detector names count toward `freed`, not
+    `held`."""
     if not program.has_backward:
         return None
     claimed = program.shared(grad_accumulation.claimed_elsewhere)
@@ -345,28 +390,37 @@ def layers(program: Program) -> _Layers | None:
     families: dict[str, dict[int, list[tuple[Value, Instruction]]]] = {}
     for v in program.values:
         inst = program.module.get(v.instruction)
-        if inst is None or v.instruction not in kept or (v.instruction, v.index) in claimed:
+        if inst is None or v.instruction not in kept:
             continue
         found = _layer(program.describe(inst)[0])
         if found is not None:
             families.setdefault(found[0], {}).setdefault(found[1], []).append((v, inst))
     best = None
     for family, by_layer in families.items():
-        # A checkpoint keeps each layer's output (its largest value) and frees the rest,
-        # recomputing one layer's at a time in the backward pass.
-        rest = {k: sorted(values, key=lambda p: -p[0].size)[1:] for k, values in by_layer.items()}
+        # A checkpoint keeps each layer's output and frees the rest, recomputing one
+        # layer's at a time in the backward pass.
+        rest = {}
+        for k, values in by_layer.items():
+            out = _outputs(program, (family, k), values)
+            rest[k] = [(v, i) for v, i in values if i.name not in out]
         rest = {k: values for k, values in rest.items() if values}
         if len(rest) < 2:
             continue
-        one = max(program.peak(v for v, _ in values) for values in rest.values())
-        held = program.peak(v for values in rest.values() for v, _ in values) - one
-        if best is None or held > best.held:
-            best = _Layers(family, rest, held)
+        mine = {
+            k: [(v, i) for v, i in values if (v.instruction, v.index) not in claimed]
+            for k, values in rest.items()
+        }
+
+        total = _freed(program, rest)
+        if best is None or total > best.freed:
+            shared = sum(len(rest[k]) - len(mine[k]) for k in rest)
+            own = [p for values in mine.values() for p in values]
+            best = _Layers(family, rest, own, _freed(program, mine), total, shared)
     return best
 
 
 def _layers_finding(program: Program, found: _Layers) -> Finding:
-    chosen = [(v, i) for values in found.layers.values() for v, i in values]
+    chosen = found.own or [p for values in found.layers.values() for p in values]
     evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
     first, last = min(found.layers), max(found.layers)
     return finding(
@@ -380,16 +434,23 @@ def _layers_finding(program: Program, found: _Layers) -> Finding:
         "and recomputes the rest in the backward pass",
         copy=COPY_LAYERS,
         detail=f"{len(found.layers)} layers ({found.family.replace('#', str(first))} to "
-        f"{found.family.replace('#', str(last))}) keep {len(chosen)} intermediates besides "
-        f"their outputs for the backward pass; a checkpoint on each layer frees "
-        f"{fmt_bytes(found.held)} at once.",
+        f"{found.family.replace('#', str(last))}) keep intermediates besides their outputs "
+        f"for the backward pass; a checkpoint on each layer frees {fmt_bytes(found.freed)} "
+        "at once"
+        + (
+            f", {fmt_bytes(found.held)} of it counted here: the rest is held by "
+            f"{found.shared} values that other findings name (attention scores, logits, the "
+            "batch's activations) and counted once, there."
+            if found.shared
+            else "."
+        ),
     )
 
 
 def detect(program: Program) -> list[Finding]:
     out = []
     found = program.shared(layers)
-    if found is not None and found.held >= MIN_LAYER_SHARE * program.total:
+    if found is not None and found.freed >= MIN_LAYER_SHARE * program.total:
         out.append(_layers_finding(program, found))
     for chosen in _groups(program):
         j = _judge(program, chosen)
@@ -441,14 +502,14 @@ def near_miss(program: Program) -> NearMiss | None:
     """The stacking this detector saw and did not name, with the threshold it missed."""
     best: NearMiss | None = None
     found = program.shared(layers)
-    if found is not None and 0 < found.held < MIN_LAYER_SHARE * program.total:
+    if found is not None and 0 < found.freed < MIN_LAYER_SHARE * program.total:
         best = NearMiss(
             CASE,
             PATTERN_LAYERS,
-            found.held,
+            found.freed,
             f"{len(found.layers)} layers keep intermediates for the backward pass that a "
-            f"checkpoint on each would free, {fmt_bytes(found.held)} at once, "
-            f"{found.held / (program.total or 1):.0%} of the total (named from "
+            f"checkpoint on each would free, {fmt_bytes(found.freed)} at once, "
+            f"{found.freed / (program.total or 1):.0%} of the total (named from "
             f"{MIN_LAYER_SHARE:.0%})",
         )
     for chosen in _groups(program):
