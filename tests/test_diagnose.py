@@ -31,6 +31,7 @@ from runbook.cases import attention_scores as attn
 from runbook.cases import host_offloading, resharding, tpu_padding
 from runbook.cases._setup.attention_scores import attention_backward
 from runbook.detectors import DETECTORS
+from runbook.detectors import scan_residuals as scan_residuals_detector
 from runbook.site import scan_residuals
 from runbook.site._accelerator import recommended, worst_point
 from runbook.site._diagnose_cases import case_diagnosis_table, diagnose_case
@@ -388,20 +389,39 @@ def test_layers_written_out_keep_their_intermediates_named_without_a_loop():
     # Six layers in a Python loop, each keeping its first tanh (and what its gradient
     # reads) for the backward pass: the same mechanism as a scan's stacks, with no loop.
     plain = runbook.diagnose(jax.grad(layers_loss), *LAYERS)
+    remat = runbook.diagnose(jax.grad(lambda *a: layers_loss(*a, remat=True)), *LAYERS)
+    # A checkpoint on each layer keeps only the layers' outputs: nothing to name.
+    assert not named(remat, "scan-residuals")
+    assert not [m for m in remat.near_misses if m.case == "scan-residuals"]
+    # Whether that lowers the total is the compiler's call: XLA's CPU compiler at jax
+    # 0.10.2 merges the checkpoints' recomputation back into the forward pass (as in the
+    # real corpus's rows for that release). The detector's probe says which, and names the
+    # layers only where the checkpoint pays.
+    saving = plain.report.total - remat.report.total
+    pays = saving >= 2 * 2048 * 512 * 4
+    if jax.__version__ in LAYER_CHECKPOINT_PAYS_ON_CPU:
+        assert pays == LAYER_CHECKPOINT_PAYS_ON_CPU[jax.__version__], saving
+    if not pays:
+        assert not named(plain, "scan-residuals")
+        (miss,) = [m for m in plain.near_misses if m.case == "scan-residuals"]
+        assert miss.pattern == "each layer's intermediates kept for the backward pass"
+        assert "merges a checkpoint's recomputation back" in miss.reason, miss.reason
+        assert miss.bytes >= 4 * 2048 * 512 * 4
+        return
     (f,) = named(plain, "scan-residuals")
     assert f.pattern == "each layer's intermediates kept for the backward pass"
     assert "block_0 to block_5" in f.detail
     activation = 2048 * 512 * 4
     assert 4 * activation <= f.bytes <= plain.report.total
+    assert saving >= f.bytes // 2, saving
     assert f.copy.endswith("loss_remat_body")
-    # A checkpoint on each layer keeps only the layers' outputs: nothing to name.
-    remat = runbook.diagnose(jax.grad(lambda *a: layers_loss(*a, remat=True)), *LAYERS)
-    assert not named(remat, "scan-residuals")
-    # Whether that lowers the total is the compiler's call: XLA's CPU compiler at jax
-    # 0.10.2 holds more with the checkpoints, as in the real corpus's rows for that release.
-    saving = plain.report.total - remat.report.total
-    if jax.__version__ in LAYER_CHECKPOINT_PAYS_ON_CPU:
-        assert (saving >= f.bytes // 2) == LAYER_CHECKPOINT_PAYS_ON_CPU[jax.__version__], saving
+
+
+@pytest.fixture
+def checkpoint_kept(monkeypatch):
+    """The layer sign's analysis on its own, whether or not this CPU compiler undoes a
+    checkpoint (the test above ties the probe to a measured fix)."""
+    monkeypatch.setattr(scan_residuals_detector, "checkpoint_undone", lambda program: None)
 
 
 def wide_layers_loss(ws, x):
@@ -416,7 +436,7 @@ def wide_layers_loss(ws, x):
 WIDE = ([(S((512, 2048), f32), S((2048, 512), f32))] * 6, S((2048, 512), f32))
 
 
-def test_a_layers_output_is_what_the_next_layer_reads_not_its_largest_value():
+def test_a_layers_output_is_what_the_next_layer_reads_not_its_largest_value(checkpoint_kept):
     d = runbook.diagnose(jax.grad(wide_layers_loss), *WIDE)
     (f,) = named(d, "scan-residuals")
     assert f.pattern == "each layer's intermediates kept for the backward pass"
@@ -439,7 +459,9 @@ def attention_layers_loss(ws, x):
 ATTENTION_LAYERS = ([S((64, 64), f32)] * 4, S((2048, 64), f32))
 
 
-def test_layers_whose_intermediates_are_attention_scores_name_both_and_count_each_once():
+def test_layers_whose_intermediates_are_attention_scores_name_both_and_count_each_once(
+    checkpoint_kept,
+):
     # Each layer keeps its 2048 x 2048 scores for the backward pass: attention scores, and
     # what a checkpoint on each layer would free. Both are named; the bytes count once.
     d = runbook.diagnose(jax.grad(attention_layers_loss), *ATTENTION_LAYERS)

@@ -17,17 +17,26 @@ recomputed: checkpointing the whole scan moved its stacks into the backward pass
 The same mechanism without a loop: layers written out one after another (a Python loop,
 or a model's blocks ``Block_0``, ``Block_1``, ...), each keeping its intermediates for the
 backward pass. Their op names say which layer made them (the scope JAX records, as
-flax.linen names its modules); a checkpoint on each layer keeps only its output.
+flax.linen names its modules); a checkpoint on each layer keeps only its output. Where the
+compiler merges a checkpoint's recomputation back into the forward pass (XLA:CPU in some
+releases), that fix frees nothing: a probe compile on the program's own backend decides,
+and the layers are then a near miss that says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from .._buffers import Buffer
 from .._hlo import Instruction, Value
+from .._measure import compile_fn
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from . import grad_accumulation
@@ -44,6 +53,7 @@ COPY = "runbook.cases.scan_residuals.loss_nested"
 MIN_LAYER_SHARE = 0.10  # of the total: layers' intermediates a checkpoint per layer frees
 PATTERN_LAYERS = "each layer's intermediates kept for the backward pass"
 COPY_LAYERS = "runbook.cases.scan_residuals.loss_remat_body"
+PROBE_LAYERS = 4  # of (256, 512): a few MiB, compiled in under a second
 
 
 def rule() -> str:
@@ -60,7 +70,9 @@ def rule() -> str:
         "each layer's output (what the forward pass reads outside the layer, which a "
         "checkpoint keeps) hold, less one layer's worth, at least "
         f"{MIN_LAYER_SHARE:.0%} of the total; the values another detector names count "
-        "toward that share and under their own finding"
+        "toward that share and under their own finding; on a backend whose compiler undoes "
+        f"a checkpoint (a probe of {PROBE_LAYERS} checkpointed layers needs no fewer "
+        "temporaries than the same layers unchecked), a near miss instead"
     )
 
 
@@ -373,6 +385,43 @@ def _freed(program: Program, by_layer: dict[int, list[tuple[Value, Instruction]]
     return max(program.peak(v for values in by_layer.values() for v, _ in values) - one, 0)
 
 
+def _probe_layer(w: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.tanh(jnp.tanh(x @ w) @ w.T) + x
+
+
+def _probe_loss(ws: list[jax.Array], x: jax.Array, checkpoint: bool) -> jax.Array:
+    layer = jax.checkpoint(_probe_layer) if checkpoint else _probe_layer
+    for w in ws:
+        x = layer(w, x)
+    return jnp.sum(x * x)
+
+
+@functools.cache
+def _probe(options: tuple[tuple[str, Any], ...]) -> tuple[int, int]:
+    """The temporaries of `PROBE_LAYERS` written-out layers' gradient on this process's
+    backend, compiled with `options`: (unchecked, each layer checkpointed)."""
+    ws = [jax.ShapeDtypeStruct((256, 512), jnp.float32)] * PROBE_LAYERS
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    temps = []
+    for checkpoint in (False, True):
+        grad = jax.grad(functools.partial(_probe_loss, checkpoint=checkpoint))
+        compiled = compile_fn(grad, ws, x, compiler_options=dict(options))
+        temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
+    return temps[0], temps[1]
+
+
+def checkpoint_undone(program: Program) -> tuple[int, int] | None:
+    """Where `program`'s compiler merges a per-layer checkpoint's recomputation back into
+    the forward pass, so that the checkpoint frees nothing: the probe's temporaries
+    (unchecked, checkpointed). None where it keeps the checkpoint, or is not probed: only
+    this process's CPU backend is (XLA:CPU is the compiler seen undoing it), with the
+    program's own options; a GPU or TPU target is not."""
+    if program.target is not None or jax.default_backend() != "cpu":
+        return None
+    plain, checkpointed = _probe(tuple(sorted(program.options.items())))
+    return (plain, checkpointed) if checkpointed >= plain else None
+
+
 def layers(program: Program) -> _Layers | None:
     """The written-out layers whose intermediates the backward pass reads: per numbered
     scope, the temporaries outside loops that the reverse-mode pass reads, less each
@@ -450,7 +499,11 @@ def _layers_finding(program: Program, found: _Layers) -> Finding:
 def detect(program: Program) -> list[Finding]:
     out = []
     found = program.shared(layers)
-    if found is not None and found.freed >= MIN_LAYER_SHARE * program.total:
+    if (
+        found is not None
+        and found.freed >= MIN_LAYER_SHARE * program.total
+        and program.shared(checkpoint_undone) is None
+    ):
         out.append(_layers_finding(program, found))
     for chosen in _groups(program):
         j = _judge(program, chosen)
@@ -502,16 +555,29 @@ def near_miss(program: Program) -> NearMiss | None:
     """The stacking this detector saw and did not name, with the threshold it missed."""
     best: NearMiss | None = None
     found = program.shared(layers)
-    if found is not None and 0 < found.freed < MIN_LAYER_SHARE * program.total:
-        best = NearMiss(
-            CASE,
-            PATTERN_LAYERS,
-            found.freed,
+    if found is not None and found.freed > 0:
+        kept = (
             f"{len(found.layers)} layers keep intermediates for the backward pass that a "
             f"checkpoint on each would free, {fmt_bytes(found.freed)} at once, "
-            f"{found.freed / (program.total or 1):.0%} of the total (named from "
-            f"{MIN_LAYER_SHARE:.0%})",
+            f"{found.freed / (program.total or 1):.0%} of the total"
         )
+        if found.freed < MIN_LAYER_SHARE * program.total:
+            best = NearMiss(
+                CASE, PATTERN_LAYERS, found.freed, f"{kept} (named from {MIN_LAYER_SHARE:.0%})"
+            )
+        elif (undone := program.shared(checkpoint_undone)) is not None:
+            plain, checkpointed = undone
+            best = NearMiss(
+                CASE,
+                PATTERN_LAYERS,
+                found.freed,
+                f"{kept}, but this compiler ({jax.default_backend().upper()}, jax "
+                f"{jax.__version__}) merges a checkpoint's recomputation back into the "
+                f"forward pass: {PROBE_LAYERS} layers' gradient needs "
+                f"{fmt_bytes(checkpointed)} of temporaries with a checkpoint on each layer "
+                f"and {fmt_bytes(plain)} without, so here the checkpoint frees nothing "
+                "(diagnose for a GPU or TPU target to see what it frees there)",
+            )
     for chosen in _groups(program):
         j = _judge(program, chosen)
         if j.sentence:
