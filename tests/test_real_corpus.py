@@ -116,17 +116,3 @@ def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once(child
         assert sum(f[2] for f in d["findings"]) <= d["total"]
         shown = [name for f in d["findings"] for name in f[3]]
         assert len(shown) == len(set(shown)), shown  # each buffer in one finding
-
-
-def test_diagnosing_a_row_again_keeps_its_fixes_and_refuses_a_changed_program():
-    # After a detector changes, `--diagnose-only` times and diagnoses a row again and keeps
-    # what its fixes measured: valid only while the program compiles to the same total.
-    name = "kv-cache-decode"  # one device, seconds at its authors' scale
-    row = real_corpus.evaluate(name, "cpu")
-    kept = {case: {"total": 1, "saving": row["total"] - 1} for case in row["fixes"]}
-    again = real_corpus.evaluate(name, "cpu", {**row, "fixes": kept, "date": "2026-01-02"})
-    assert again["fixes"] == kept and again["fixes_date"] == "2026-01-02"
-    assert again["total"] == row["total"] and again["named"] == row["named"]
-    assert again["expected"] == sorted(kept)  # the verdicts follow the kept figures
-    with pytest.raises(RuntimeError, match="its fixes must be measured again"):
-        real_corpus.evaluate(name, "cpu", {**row, "total": row["total"] + 1})
