@@ -86,9 +86,12 @@ def _per_case(path: pathlib.Path) -> bool:
     return parts[1] == "corpus" or (len(parts) == 2 and not parts[1].startswith("_"))
 
 
-# The producers that run after a build (the store's) or run builds (the benchmark's), never
-# inside one: editing them changes no figure.
-_OUTSIDE_BUILDS = tuple(PACKAGE / "site" / "producers" / f for f in ("store.py", "bench.py"))
+# The producers that run after a build (the store's), run builds (the benchmark's) or write
+# a data file that a page only reads (the real corpus's), never inside one: editing them
+# changes no stored figure.
+_OUTSIDE_BUILDS = tuple(
+    PACKAGE / "site" / "producers" / f for f in ("store.py", "bench.py", "real_corpus.py")
+)
 # What runs programs for real on this machine (real peaks, the host's memory, their turns)
 # and starts the children they run in: no compile for a target executes it, nor depends on
 # how its process started, so the stores do not depend on it (`run_hash`).

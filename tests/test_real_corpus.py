@@ -74,6 +74,8 @@ def test_the_committed_measurements_say_what_they_cover_and_follow_from_their_fi
             c for c, f in r["fixes"].items() if f.get("saving", 0) >= data["threshold"] * r["total"]
         )
         assert r["expected"] == expected
+        for case, fix in r["fixes"].items():  # a fix too large is read as the program is
+            assert "does not fit" not in fix.get("error", ""), (r["program"], r["target"], case)
         assert r["missed"] == sorted(set(expected) - set(r["named"]))
         assert r["false_alarms"] == sorted(set(r["named"]) - set(expected))
     assert set(data["releases"]) == {release for _, release in measured}
@@ -116,3 +118,21 @@ def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once(child
         assert sum(f[2] for f in d["findings"]) <= d["total"]
         shown = [name for f in d["findings"] for name in f[3]]
         assert len(shown) == len(set(shown)), shown  # each buffer in one finding
+
+
+def test_a_fix_the_target_refuses_is_read_from_its_buffer_assignment(monkeypatch):
+    # A program a v5e refuses is diagnosed from the assignment its compiler wrote; its fixes,
+    # refused too, are compared with it the same way, not dropped.
+    import jax
+    import jax.numpy as jnp
+
+    from runbook import _errors, _measure
+
+    def refuse(*args, **kwargs):
+        raise _errors.DoesNotFitError("no", needed=2, limit=1, what="HLO temporaries")
+
+    monkeypatch.setattr(_measure, "measure", refuse)
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    fix = real_corpus._fix((jax.jit(lambda x: jnp.sin(x) @ x), (x,)), 10**9, None, {})
+    assert 0 < fix["total"] < 10**9
+    assert fix["saving"] == 10**9 - fix["total"]

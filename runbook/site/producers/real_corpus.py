@@ -44,8 +44,8 @@ def evaluate(name: str, target: str) -> dict[str, Any]:
     """One program on one target (``"cpu"``: this process's backend): its row."""
     from runbook import _targets
     from runbook._diagnose import diagnose
-    from runbook._errors import DoesNotFitError, RunbookError
-    from runbook._measure import compile_fn, measure
+    from runbook._errors import DoesNotFitError
+    from runbook._measure import compile_fn
     from runbook._program import cpu_accounting_options
     from runbook.site.corpus import real
 
@@ -69,14 +69,10 @@ def evaluate(name: str, target: str) -> dict[str, Any]:
         for f in d.findings:
             if f.case and not f.informational:
                 shares[f.case] = max(shares.get(f.case, 0.0), f.bytes / whole if whole else 0.0)
-        fixes: dict[str, dict[str, Any]] = {}
-        for case, build in program.fixes.items():
-            fixed_fn, fixed_args = build("authors", False)
-            try:
-                fixed = measure(fixed_fn, *fixed_args, target=t, compiler_options=options)
-                fixes[case] = {"total": fixed.total, "saving": total - fixed.total}
-            except (DoesNotFitError, RunbookError) as e:
-                fixes[case] = {"error": str(e).splitlines()[0][:300]}
+        fixes = {
+            case: _fix(build("authors", False), total, t, options)
+            for case, build in program.fixes.items()
+        }
     row.update(
         total=total,
         backend=d.report.provenance.label(),
@@ -92,6 +88,32 @@ def evaluate(name: str, target: str) -> dict[str, Any]:
     row["missed"] = sorted(set(row["expected"]) - set(d.cases))
     row["false_alarms"] = sorted(set(d.cases) - set(row["expected"]))
     return row
+
+
+def _fix(built: tuple[Any, Any], total: int, t: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """One fix, compiled as the diagnosis compiles: its total and the bytes it saves. A fix the
+    target's compiler refuses as too large is read from the buffer assignment it wrote before
+    refusing, as `runbook.diagnose` reads a refused program: the same figures, compared
+    alike."""
+    from runbook._errors import DoesNotFitError, RunbookError
+    from runbook._measure import measure
+    from runbook._program import Program
+
+    fixed_fn, fixed_args = built
+    try:
+        fixed = measure(fixed_fn, *fixed_args, target=t, compiler_options=options)
+        return {"total": fixed.total, "saving": total - fixed.total}
+    except DoesNotFitError:
+        pass
+    except RunbookError as e:
+        return {"error": str(e).splitlines()[0][:300]}
+    try:
+        read = Program.compile(
+            fixed_fn, *fixed_args, target=t, compiler_options=options, keep_refused=True
+        )
+    except (DoesNotFitError, RunbookError) as e:  # refused with no assignment written
+        return {"error": str(e).splitlines()[0][:300]}
+    return {"total": read.total, "saving": total - read.total, "refused": read.refused}
 
 
 def _evaluate_json(name: str, target: str) -> dict[str, Any]:
