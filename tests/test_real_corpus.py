@@ -136,3 +136,19 @@ def test_a_fix_the_target_refuses_is_read_from_its_buffer_assignment(monkeypatch
     fix = real_corpus._fix((jax.jit(lambda x: jnp.sin(x) @ x), (x,)), 10**9, None, {})
     assert 0 < fix["total"] < 10**9
     assert fix["saving"] == 10**9 - fix["total"]
+
+
+def test_diagnosing_a_row_again_keeps_its_fixes_and_refuses_a_changed_program():
+    # After a detector changes, `--diagnose-only` times and diagnoses a row again and keeps
+    # what its fixes measured: valid only while the program compiles to the same total.
+    name = "kv-cache-decode"  # one device, seconds at its authors' scale
+    row = real_corpus.evaluate(name, "cpu")
+    kept = {case: {"total": 1, "saving": row["total"] - 1} for case in row["fixes"]}
+    again = real_corpus.evaluate(name, "cpu", {**row, "fixes": kept, "date": "2026-01-02"})
+    assert again["fixes"] == kept
+    assert again["fixes_date"] == "2026-01-02"
+    assert again["total"] == row["total"]
+    assert again["named"] == row["named"]
+    assert again["expected"] == sorted(kept)  # the verdicts follow the kept figures
+    with pytest.raises(RuntimeError, match="its fixes must be measured again"):
+        real_corpus.evaluate(name, "cpu", {**row, "total": row["total"] + 1})

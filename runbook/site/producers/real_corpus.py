@@ -1,7 +1,8 @@
 """Diagnose the real-program corpus at its authors' scale: docs/_data/corpus/real.json.
 
     nox -s "real-corpus(newest)"  (python -m runbook.site.producers.real_corpus
-                                  [--targets cpu h100 v5e] [--programs NAME ...] [--out FILE])
+                                  [--targets cpu h100 v5e] [--programs NAME ...] [--out FILE]
+                                  [--diagnose-only])
     nox -s "real-corpus(oldest)"  (the same, on the oldest tested release)
 
 For each program of `runbook.site.corpus.real` and each target (this machine's CPU, and
@@ -15,7 +16,12 @@ A mechanism is *expected* on a target when its fix saves at least `THRESHOLD` of
 program's total there: decided by measurement, per target, never by reading the code.
 Multi-device programs run on forced host devices in a child process on CPU, and on the
 target's compile-only devices otherwise. Rows already in the file for other programs or
-targets are kept, so that targets can be measured in separate runs.
+targets are kept, so that targets can be measured in separate runs. With
+``--diagnose-only``, a row already in the file keeps its fixes' figures (what the compiler
+makes of each fix, which a detector does not change) and is timed and diagnosed again:
+after a detector changes, at the cost of a bare compile and a diagnosis per row. The row
+records both dates (``date``: the diagnosis, ``fixes_date``: the fixes), and stops with
+an error where the program's total is no longer the one its fixes were measured against.
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ THRESHOLD = 0.05  # a fix saving at least this share of the total shows its mech
 TARGETS = ("cpu", "h100", "v5e")
 
 
-def evaluate(name: str, target: str) -> dict[str, Any]:
-    """One program on one target (``"cpu"``: this process's backend): its row."""
+def evaluate(name: str, target: str, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One program on one target (``"cpu"``: this process's backend): its row. Given its
+    row `measured` before, the fixes' figures are kept from it (see the module's help)."""
     from runbook import _targets
     from runbook._diagnose import diagnose
     from runbook._errors import DoesNotFitError
@@ -64,15 +71,25 @@ def evaluate(name: str, target: str) -> dict[str, Any]:
             row["refused"] = {"needed": e.needed, "limit": e.limit}
         d = diagnose(fn, *args, target=t, name=name)
         total = d.report.total
+        if measured is not None and total != measured["total"]:
+            raise RuntimeError(
+                f"{name} on {target} compiles to {total:,} bytes now, {measured['total']:,} "
+                "in the row: its compiler changed, so its fixes must be measured again "
+                "(without --diagnose-only)"
+            )
         whole = total + d.constants
         shares: dict[str, float] = {}
         for f in d.findings:
             if f.case and not f.informational:
                 shares[f.case] = max(shares.get(f.case, 0.0), f.bytes / whole if whole else 0.0)
-        fixes = {
-            case: _fix(build("authors", False), total, t, options)
-            for case, build in program.fixes.items()
-        }
+        if measured is not None:  # a detector changes nothing the compiler made of a fix
+            fixes = measured["fixes"]
+            row["fixes_date"] = measured.get("fixes_date", measured["date"])
+        else:
+            fixes = {
+                case: _fix(build("authors", False), total, t, options)
+                for case, build in program.fixes.items()
+            }
     row.update(
         total=total,
         backend=d.report.provenance.label(),
@@ -116,12 +133,14 @@ def _fix(built: tuple[Any, Any], total: int, t: Any, options: dict[str, Any]) ->
     return {"total": read.total, "saving": total - read.total, "refused": read.refused}
 
 
-def _evaluate_json(name: str, target: str) -> dict[str, Any]:
+def _evaluate_json(
+    name: str, target: str, measured: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """`evaluate` in a child process (forced host devices)."""
-    return evaluate(name, target)
+    return evaluate(name, target, measured)
 
 
-def run(name: str, target: str) -> dict[str, Any]:
+def run(name: str, target: str, measured: dict[str, Any] | None = None) -> dict[str, Any]:
     """`evaluate`, in a child with the program's devices where the CPU needs them."""
     from runbook import _subprocess
     from runbook.site.corpus import real
@@ -133,9 +152,10 @@ def run(name: str, target: str) -> dict[str, Any]:
             devices=devices,
             name=name,
             target=target,
+            measured=measured,
         )
         return data
-    return evaluate(name, target)
+    return evaluate(name, target, measured)
 
 
 def provenance() -> dict[str, Any]:
@@ -298,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--programs", nargs="+", default=None)
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
+    parser.add_argument(
+        "--diagnose-only",
+        action="store_true",
+        help="keep each row's fixes; time and diagnose it again (after a detector changes)",
+    )
     a = parser.parse_args(argv)
     names = a.programs or [p.name for p in real.programs()]
     old = json.loads(a.out.read_text()) if a.out.exists() else {"rows": []}
@@ -308,10 +333,17 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:
             print(f"{name} on {target} ...", file=sys.stderr, flush=True)
             start = time.perf_counter()
+            measured = rows.get((name, target, jax.__version__)) if a.diagnose_only else None
+            if a.diagnose_only and (measured is None or "error" in measured):
+                print(f"  no measured row to diagnose again: {name} on {target} skipped",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                continue
             try:
-                row = run(name, target)
+                row = run(name, target, measured)
             except Exception as e:  # noqa: BLE001 - recorded, and the next program goes on
                 traceback.print_exc()
+                if measured is not None:
+                    continue  # the measured row stands
                 row = {"program": name, "target": target, "jax": jax.__version__,
                        "error": f"{type(e).__name__}: {e}"}  # fmt: skip
             row["wall_seconds"] = time.perf_counter() - start
