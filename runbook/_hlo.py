@@ -204,6 +204,23 @@ class Module:
         found = [i for i in body if i.opcode == "parameter"]
         return sorted(found, key=lambda i: i.parameter_number or 0)
 
+    def relays(self, inst: Instruction) -> bool:
+        """Whether `inst` only carries its operand's value to another memory space or place:
+        XLA's TPU compiler evicts a value to HBM and prefetches it back (copy-start and
+        copy-done), takes it in slices (an async-start of a slice, and its async-done) and
+        puts the slices back together (its ConcatBitcast call)."""
+        if inst.opcode in ("copy-start", "copy-done"):
+            return True
+        if inst.opcode == "custom-call":
+            return 'custom_call_target="ConcatBitcast"' in inst.attributes
+        if inst.opcode == "async-done" and inst.operands:
+            start = self.get(inst.operands[0])
+            return start is not None and start.opcode == "async-start" and self.relays(start)
+        if inst.opcode == "async-start" and inst.calls:
+            root = self.root(inst.calls[0])
+            return root is not None and root.opcode in ("slice", "dynamic-slice", "copy")
+        return False
+
     def inner_ops(self, inst: Instruction) -> Iterator[Instruction]:
         """Every instruction of the computations `inst` calls, recursively (a fusion's body)."""
         seen: set[str] = set()

@@ -38,6 +38,8 @@ SITE_FIX = "cases/{case}.html#fix"
 # Instructions that move a value without computing from it: a residual read through them is
 # still read.
 _MOVES = frozenset({"bitcast", "copy", "get-tuple-element", "tuple", "reshape", "transpose"})
+# Fused instructions that compute nothing of either pass, whatever op name they carry.
+_NO_PASS = ("constant", "parameter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,14 +575,22 @@ class Program:
     @functools.cached_property
     def _backward(self) -> frozenset[str]:
         """The instructions that belong to the reverse-mode pass (ops JAX names
-        ``transpose(...)``), a fusion when an operation fused into it does."""
+        ``transpose(...)``), a fusion when an operation fused into it does. Not a constant:
+        the compiler shares one among both passes, under either's name."""
         return frozenset(
             i.name
             for i in self.module.instructions.values()
-            if "transpose(" in i.op_name
-            or (
-                i.opcode == "fusion"
-                and any("transpose(" in o.op_name for o in self.module.inner_ops(i))
+            if i.opcode not in _NO_PASS
+            and (
+                "transpose(" in i.op_name
+                or (
+                    i.opcode == "fusion"
+                    and any(
+                        "transpose(" in o.op_name
+                        for o in self.module.inner_ops(i)
+                        if o.opcode not in _NO_PASS
+                    )
+                )
             )
         )
 
@@ -612,7 +622,7 @@ class Program:
             for user in self.module.users.get(n, ()):
                 if user.name in self._backward:
                     return True
-                if user.opcode in _MOVES:
+                if user.opcode in _MOVES or self.module.relays(user):
                     todo.append(user.name)
         return False
 

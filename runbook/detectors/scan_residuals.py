@@ -368,7 +368,7 @@ def _outputs(
                 continue
             seen.add(n)
             for user in program.module.users.get(n, ()):
-                if user.opcode in _MOVES:
+                if user.opcode in _MOVES or program.module.relays(user):
                     todo.append(user.name)
                 elif not program.backward_ancestry(user.name) and not _same_scope(
                     _layer(program.describe(user)[0]), scope
