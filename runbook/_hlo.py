@@ -89,6 +89,8 @@ class Shape:
 
 # Instructions whose called computation's parameters are the instruction's operands.
 _PASSES_OPERANDS = ("fusion", "async-start", "call")
+# XLA's rematerialization pass names each clone it makes after the original.
+_REMAT = re.compile(r"\.remat\d*$")
 # Compiler-made instructions that only move, re-type or re-lay out their operand.
 _MOVES = ("copy", "bitcast", "reshape", "transpose", "convert", "copy-start", "copy-done")
 
@@ -220,6 +222,12 @@ class Module:
             root = self.root(inst.calls[0])
             return root is not None and root.opcode in ("slice", "dynamic-slice", "copy")
         return False
+
+    @staticmethod
+    def recomputes(inst: Instruction) -> bool:
+        """Whether `inst` is a clone XLA's rematerialization pass made (``fusion.7.remat2``):
+        the same computation again, for the users it was cloned for."""
+        return _REMAT.search(inst.name) is not None
 
     def inner_ops(self, inst: Instruction) -> Iterator[Instruction]:
         """Every instruction of the computations `inst` calls, recursively (a fusion's body)."""

@@ -485,12 +485,14 @@ class Program:
         return self._values_by_name.get(name, [])
 
     def peak(self, values: Iterable[Value]) -> int:
-        """The most bytes `values` hold at one point of the schedule.
+        """The most bytes `values` hold in the device's memory at one point of the schedule.
 
         Values that share memory (the same allocation and offset) count once; without live
-        ranges from XLA, every distinct piece of memory counts.
+        ranges from XLA, every distinct piece of memory counts. A value in another memory
+        space (a TPU's on-chip memory, the host's) holds none of the device memory the
+        program's total counts.
         """
-        chosen = list({(v.instruction, v.index): v for v in values}.values())
+        chosen = list({(v.instruction, v.index): v for v in values if v.space == 0}.values())
         found = [self.live.get((v.instruction, v.index)) for v in chosen]
         if not chosen:
             return 0
@@ -609,8 +611,9 @@ class Program:
 
     def read_by_backward(self, name: str) -> bool:
         """True when forward-pass instruction `name`'s value is read by the reverse-mode pass
-        (through moves that compute nothing): a residual the gradient keeps, which rolling
-        the loop that made it would stack, not free."""
+        (through moves that compute nothing, and the compiler's own recomputations for that
+        pass): a residual the gradient keeps, which rolling the loop that made it would
+        stack, not free."""
         if name in self._from_backward:
             return False
         todo, seen = [name], set()
@@ -622,7 +625,11 @@ class Program:
             for user in self.module.users.get(n, ()):
                 if user.name in self._backward:
                     return True
-                if user.opcode in _MOVES or self.module.relays(user):
+                if (
+                    user.opcode in _MOVES
+                    or self.module.relays(user)
+                    or self.module.recomputes(user)
+                ):
                     todo.append(user.name)
         return False
 

@@ -502,6 +502,34 @@ def test_a_constant_named_for_the_backward_pass_leaves_its_fusion_in_the_forward
     assert Program._backward.func(types.SimpleNamespace(module=module)) == frozenset()
 
 
+# XLA's rematerialization pass clones a forward fusion for the backward pass that reads it
+# (``.remat``), under the forward op's name: the value it recomputes from is still kept.
+_REMAT_CLONE = """HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %k = f32[4]{0} exponential(%x), metadata={op_name="jit(f)/jvp(f)/exp"}
+  %n.remat = f32[4]{0} negate(%k), metadata={op_name="jit(f)/jvp(f)/neg"}
+  ROOT %g = f32[4]{0} multiply(%n.remat, %x), metadata={op_name="jit(f)/transpose(jvp(f))/mul"}
+}
+"""
+
+
+def test_a_value_the_compiler_recomputes_from_for_the_backward_pass_is_kept_for_it():
+    from runbook._hlo import Value, parse_module
+    from runbook._program import Program
+
+    program = object.__new__(Program)  # the module alone: what these two methods read
+    program.module = parse_module(_REMAT_CLONE)
+    assert program.read_by_backward("k")
+    # A value in a TPU's on-chip memory (XLA's colour 1) holds none of the device memory
+    # the program's total counts.
+    program.live = {("k", "{}"): (0, 2), ("n.remat", "{}"): (0, 2)}
+    in_hbm = Value("k", "{}", 16, 0, 0, "temp", "f32[4]")
+    on_chip = Value("n.remat", "{}", 16, 0, 1, "temp", "f32[4]", space=1)
+    assert program.peak([in_hbm, on_chip]) == 16
+
+
 def attention_layers_loss(ws, x):
     for i, w in enumerate(ws):
         with jax.named_scope(f"block_{i}"):
