@@ -123,14 +123,19 @@ def _fix(built: tuple[Any, Any], total: int, t: Any, options: dict[str, Any]) ->
     except DoesNotFitError:
         pass
     except RunbookError as e:
-        return {"error": str(e).splitlines()[0][:300]}
+        return _error(e)
     try:
         read = Program.compile(
             fixed_fn, *fixed_args, target=t, compiler_options=options, keep_refused=True
         )
     except (DoesNotFitError, RunbookError) as e:  # refused with no assignment written
-        return {"error": str(e).splitlines()[0][:300]}
+        return _error(e)
     return {"total": read.total, "saving": total - read.total, "refused": read.refused}
+
+
+def _error(e: Exception) -> dict[str, str]:
+    """A fix's error as its row records it: the message's first line."""
+    return {"error": str(e).splitlines()[0][:300]}
 
 
 def _evaluate_json(
