@@ -152,3 +152,26 @@ def test_diagnosing_a_row_again_keeps_its_fixes_and_refuses_a_changed_program():
     assert again["expected"] == sorted(kept)  # the verdicts follow the kept figures
     with pytest.raises(RuntimeError, match="its fixes must be measured again"):
         real_corpus.evaluate(name, "cpu", {**row, "total": row["total"] + 1})
+
+
+def test_a_false_alarm_with_no_fix_tried_says_so():
+    # A mechanism named in a program that carries no fix for it counts as a false alarm,
+    # and the table and summary say that no fix was tried: unmeasured, not refuted.
+    data = real_corpus.load()
+    row = next(r for r in data["rows"] if "error" not in r)
+    mine = {
+        **row,
+        "target": "cpu",
+        "fixes": {"donation": {"total": 1, "saving": 0}},
+        "named": ["donation", "pmap-loop"],
+        "shares": {"donation": 0.5, "pmap-loop": 0.5},
+        "expected": [],
+        "missed": [],
+        "false_alarms": ["donation", "pmap-loop"],
+    }
+    one = {**data, "rows": [mine]}
+    assert real_corpus.untried(mine) == ["pmap-loop"]
+    cells = [row[5] for row in real_corpus.table(one).rows]
+    assert cells == ["donation (false alarm), pmap-loop (false alarm: no fix tried)"]
+    said = real_corpus.summary(one)
+    assert "2 false alarms (1 where the program carries no fix to try)" in said

@@ -227,7 +227,7 @@ def table(data: dict[str, Any] | None = None, jax_release: str | None = None) ->
         ratio = r["diagnose_seconds"] / r["compile_seconds"] if r["compile_seconds"] else 0
         rows.append([
             r["program"], r["target"], fmt_bytes(r["total"]), measured or "none", named,
-            ", ".join(r["missed"] + [f"{c} (false alarm)" for c in r["false_alarms"]]) or "-",
+            ", ".join(r["missed"] + [f"{c} ({_alarm(r, c)})" for c in r["false_alarms"]]) or "-",
             f"{ratio:.1f}x",
         ])  # fmt: skip
     p = data["releases"][jax_release]
@@ -240,6 +240,16 @@ def table(data: dict[str, Any] | None = None, jax_release: str | None = None) ->
         f"{p['jax']}, flax {p['flax']}, equinox {p['equinox']}, optax {p['optax']}; made by "
         f"`nox -s real-corpus` on {p['date']} (docs/_data/corpus/real.json).",
     )  # fmt: skip
+
+
+def untried(row: dict[str, Any]) -> list[str]:
+    """The row's false alarms whose fix the program does not carry: named, and counted as
+    false alarms, but not measured either way."""
+    return [c for c in row.get("false_alarms", []) if c not in row.get("fixes", {})]
+
+
+def _alarm(row: dict[str, Any], case: str) -> str:
+    return "false alarm: no fix tried" if case in untried(row) else "false alarm"
 
 
 def summary(data: dict[str, Any] | None = None) -> str:
@@ -259,13 +269,16 @@ def summary(data: dict[str, Any] | None = None) -> str:
         present = sum(len(r["expected"]) for r in rows)
         missed = sum(len(r["missed"]) for r in rows)
         alarms = sum(len(r["false_alarms"]) for r in rows)
+        unmeasured = sum(len(untried(r)) for r in rows)
         ratios = [
             r["diagnose_seconds"] / r["compile_seconds"] for r in rows if r["compile_seconds"]
         ]
         errors = len(mine) - len(rows)
         lines.append(
             f"- {where}: {len(rows)} programs, {present} mechanisms present by measurement, "
-            f"{present - missed} named, {missed} missed, {alarms} false alarms; diagnose took "
+            f"{present - missed} named, {missed} missed, {alarms} false alarms"
+            + (f" ({unmeasured} where the program carries no fix to try)" if unmeasured else "")
+            + "; diagnose took "
             f"{statistics.median(ratios):.1f}x a bare compile (median), {max(ratios):.1f}x at "
             "most" + (f"; {errors} program(s) failed to compile" if errors else "") + "."
         )
