@@ -276,7 +276,8 @@ def summary(data: dict[str, Any] | None = None) -> str:
         errors = len(mine) - len(rows)
         lines.append(
             f"- {where}: {len(rows)} programs, {present} mechanisms present by measurement, "
-            f"{present - missed} named, {missed} missed, {alarms} false alarms"
+            f"{present - missed} named, {missed} missed, {alarms} false alarm"
+            + ("" if alarms == 1 else "s")
             + (f" ({unmeasured} where the program carries no fix to try)" if unmeasured else "")
             + "; diagnose took "
             f"{statistics.median(ratios):.1f}x a bare compile (median), {max(ratios):.1f}x at "
