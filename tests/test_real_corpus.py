@@ -171,7 +171,7 @@ def test_a_false_alarm_with_no_fix_tried_says_so():
     }
     one = {**data, "rows": [mine]}
     assert real_corpus.untried(mine) == ["pmap-loop"]
-    cells = [row[5] for row in real_corpus.table(one).rows]
-    assert cells == ["donation (false alarm), pmap-loop (false alarm: no fix tried)"]
+    shown = [r[5] for r in real_corpus.table(one).rows]
+    assert shown == ["donation (false alarm), pmap-loop (false alarm: no fix tried)"]
     said = real_corpus.summary(one)
     assert "2 false alarms (1 where the program carries no fix to try)" in said
