@@ -112,11 +112,13 @@ def test_no_case_is_recorded_twice_for_one_gpu():
         assert len(kinds) == len(set(kinds)), case
 
 
-def test_corpus_peaks_refuse_a_cpu_backend():
+def test_corpus_peaks_refuse_a_cpu_backend_and_an_unknown_program():
     from runbook.site.corpus.real import _peaks
 
     with pytest.raises(RunbookError, match="no GPU"):
         _peaks.collect(["kv-cache-decode"])
+    with pytest.raises(RunbookError, match="no real-corpus program 'gpt3'"):
+        _peaks.collect(["gpt3"], allow_cpu=True)
 
 
 def test_corpus_peaks_run_a_program_in_a_fresh_process():
@@ -132,7 +134,8 @@ def test_corpus_peaks_run_a_program_in_a_fresh_process():
     assert row["reason"] == "needs 8 devices, 1 present"
 
 
-def test_corpus_peaks_list_programs_as_written_first_and_keep_each_row(tmp_path, monkeypatch):
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_corpus_peaks_list_programs_as_written_first_and_keep_each_row(tmp_path, monkeypatch, jobs):
     from runbook.site.corpus.real import _peaks
 
     def fake(name, fix, *, devices, scale, time_limit):
@@ -144,7 +147,8 @@ def test_corpus_peaks_list_programs_as_written_first_and_keep_each_row(tmp_path,
 
     monkeypatch.setattr(_peaks, "measure", fake)
     out = tmp_path / "gpu-cpu.json"
-    data = _peaks.collect(["kv-cache-decode", "gpt2-pmap"], allow_cpu=True, out=out)
+    data = _peaks.collect(["kv-cache-decode", "gpt2-pmap"], allow_cpu=True, out=out, jobs=jobs)
+    assert data["jobs"] == jobs
     assert [(r["program"], r["fix"]) for r in data["rows"]] == [
         ("gpt2-pmap", None), ("kv-cache-decode", None),
         ("gpt2-pmap", "donation"), ("gpt2-pmap", "vocab-logits"),

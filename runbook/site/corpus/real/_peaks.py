@@ -17,15 +17,20 @@ Writes ``gpu-<device kind>.json``, whose rows the diagnose page shows (`peaks_ta
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import importlib.metadata
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
+import unittest.mock
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from runbook import _subprocess
+from runbook import _forkserver, _subprocess
 from runbook._errors import RunbookError, WontFitError
 
 from . import get, programs
@@ -107,22 +112,37 @@ def measure(
     }  # fmt: skip
 
 
+def _libraries() -> dict[str, str | None]:
+    """The model libraries' versions (the corpus's programs are written with them)."""
+    found: dict[str, str | None] = {}
+    for name in ("flax", "equinox", "optax"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def collect(
     names: Sequence[str] | None = None,
     *,
     scale: str = "authors",
     allow_cpu: bool = False,
     time_limit: float = TIME_LIMIT,
+    jobs: int = 1,
     progress: Callable[[str], None] | None = None,
     out: pathlib.Path | None = None,
 ) -> dict[str, Any]:
     """Every program, as written then with each fix, on this machine's GPU.
 
     Args:
-        names: only these programs (default: all).
+        names: only these programs (default: all), started in this order.
         scale: "authors" (the evidence) or "tiny" (to test the pipeline).
         allow_cpu: run on a CPU backend too (to test the pipeline; not GPU evidence).
         time_limit: seconds per program.
+        jobs: programs measured at once, each in its own processes, one step at a time.
+            Above 1, JAX must not preallocate (``XLA_PYTHON_CLIENT_PREALLOCATE=false``):
+            each process's peak is its own allocator's, so the others do not change it.
         progress: called with a line per row.
         out: a JSON file written again after each row, so a run cut short keeps its rows.
     """
@@ -135,23 +155,53 @@ def collect(
     if jax.default_backend() == "cpu" and not allow_cpu:
         raise RunbookError("no GPU: JAX's default backend is 'cpu'. Run `nox -s gpu-corpus` "
                            "with a Python that has a CUDA build of JAX.")  # fmt: skip
+    preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() not in (
+        "false", "0"
+    )  # fmt: skip
+    if jobs > 1 and preallocate and jax.default_backend() != "cpu":
+        raise RunbookError("jobs > 1 needs XLA_PYTHON_CLIENT_PREALLOCATE=false: a process "
+                           "that preallocates takes the memory the others need.")  # fmt: skip
     info = device_info()
     p = Provenance.current()
     rows: list[dict[str, Any]] = []
     data = {**info, "backend": p.backend, "jax": p.jax, "jaxlib": p.jaxlib,
-            "generated": p.date, "machine": p.machine, "rows": rows}  # fmt: skip
-    chosen = [prog for prog in programs() if not names or prog.name in names]
-    # Every program as written first, then the fixes: a run cut short keeps the first.
-    runs = [(q.name, None) for q in chosen] + [(q.name, f) for q in chosen for f in q.fixes]
-    for name, fix in runs:
-        row = measure(name, fix, devices=info["devices"], scale=scale, time_limit=time_limit)
-        rows.append(row)
-        if out is not None:
-            write_json(data, out)
-        if progress:
-            ok = row["status"] == "ok"
-            got = f"{row['measured']:,} of {row['predicted']:,} predicted" if ok else row["status"]
-            progress(f"{name} {fix or 'as written'}: {got}")
+            "generated": p.date, "machine": p.machine, "jobs": jobs,
+            "preallocate": preallocate, "libraries": _libraries(), "rows": rows}  # fmt: skip
+    known = {prog.name: prog for prog in programs()}
+    unknown = sorted(set(names or ()) - set(known))
+    if unknown:
+        raise RunbookError(f"no real-corpus program {unknown[0]!r}; known: {sorted(known)}")
+    chosen = [known[n] for n in dict.fromkeys(names)] if names else list(known.values())
+    # Rows list every program as written first, then the fixes, in the corpus's order.
+    order = {(q.name, f): (f is not None, i, j)
+             for i, q in enumerate(known.values()) for j, f in enumerate([None, *q.fixes])}  # fmt: skip
+    lock = threading.Lock()
+
+    def program(q: Any) -> None:
+        # One program's steps one after another: at most one of its peaks on the GPU at once.
+        for fix in [None, *q.fixes]:
+            row = measure(q.name, fix, devices=info["devices"], scale=scale,
+                          time_limit=time_limit)  # fmt: skip
+            with lock:
+                rows.append(row)
+                rows.sort(key=lambda r: order[r["program"], r["fix"]])
+                if out is not None:
+                    write_json(data, out)
+            if progress:
+                got = row["status"]
+                if got == "ok":
+                    got = f"{row['measured']:,} of {row['predicted']:,} predicted"
+                progress(f"{q.name} {fix or 'as written'}: {got}")
+
+    # The fork server answers one caller at a time: programs measured at once each start a
+    # fresh Python instead.
+    switch = {_forkserver.SWITCH: "0"} if jobs > 1 else {}
+    with (
+        unittest.mock.patch.dict(os.environ, switch),
+        concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool,
+    ):
+        for done in [pool.submit(program, q) for q in chosen]:
+            done.result()
     return data
 
 
@@ -197,6 +247,9 @@ def peaks_table(data: dict[str, Any]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before JAX starts: this process only reads the device, and a preallocating one would
+    # hold the memory its children's steps need.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     from runbook.site.producers.gpu import slug
@@ -207,10 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=str(DATA), help="writes gpu-<device-kind>.json here")
     parser.add_argument("--program", action="append", help="only this program (repeatable)")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds per program")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="programs measured at once (needs XLA_PYTHON_CLIENT_PREALLOCATE=false)",
+    )
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out_dir) / f"gpu-{slug(jax.local_devices()[0].device_kind)}.json"
     try:
-        collect(args.program, time_limit=args.time_limit, out=out,
+        collect(args.program, time_limit=args.time_limit, jobs=args.jobs, out=out,
                 progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
     except RunbookError as e:
         print(f"runbook: error: {e}", file=sys.stderr)
