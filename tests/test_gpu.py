@@ -7,6 +7,7 @@ import json
 import pytest
 
 import runbook
+import runbook._subprocess
 import runbook.site
 from runbook._errors import RunbookError
 from runbook.site.producers import gpu as _gpu
@@ -132,6 +133,26 @@ def test_corpus_peaks_run_a_program_in_a_fresh_process():
     row = _peaks.measure("gpt2-pmap", "donation", devices=1)
     assert row["status"] == "not applicable"
     assert row["reason"] == "needs 8 devices, 1 present"
+
+
+def test_corpus_peaks_keep_the_compiled_step_for_a_second_child(tmp_path):
+    from runbook.site.corpus.real import _peaks
+
+    def child():
+        return runbook._subprocess.call(
+            "runbook.site.corpus.real._peaks:_peak_json",
+            timeout=300, name="kv-cache-decode", fix=None, scale="tiny", cache=str(tmp_path),
+        )  # fmt: skip
+
+    first, second = child(), child()
+    assert (first["loaded"], second["loaded"]) == (False, True)
+    assert first["predicted"] == second["predicted"]
+    # A peak is the compile's when the compile reached it after the inputs were made.
+    peaks = {"measured": 10, "inputs_peak": 4}
+    assert _peaks._compiling({**peaks, "compile_peak": 10})
+    assert not _peaks._compiling({**peaks, "compile_peak": 9})
+    assert not _peaks._compiling({**peaks, "compile_peak": None})
+    assert not _peaks._compiling({"measured": 10, "inputs_peak": 10, "compile_peak": 10})
 
 
 @pytest.mark.parametrize("jobs", [1, 2])

@@ -24,6 +24,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unittest.mock
@@ -39,27 +40,40 @@ DATA = pathlib.Path(__file__).resolve().parents[4] / "docs" / "_data" / "corpus"
 TIME_LIMIT = 300.0  # seconds per program, process start and compile included
 
 
-def _peak_json(name: str, fix: str | None, scale: str) -> dict[str, Any]:
+def _peak_json(name: str, fix: str | None, scale: str, cache: str) -> dict[str, Any]:
     import jax
 
     from runbook._inputs import as_jax
     from runbook._measure import compile_fn
     from runbook._runtime import run_compiled
 
+    # A compiled executable kept in `cache`: a second child loads it, and XLA's autotuning
+    # (which tries kernels on the device, each with its own scratch) does not run again.
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     program = get(name)
     build = program.fixes[fix] if fix else program.build
+    device = jax.local_devices()[0]
     # One build, made real first: a second build is a different pytree (a train state's
     # optimizer functions, a module's own arrays), which the compiled step would not take.
-    fn, args = as_jax(*build(scale, True))
-    device = jax.local_devices()[0]
+    # Made on the host and then put on the device, so that an initialiser's temporaries
+    # leave no peak there: the device then holds the inputs alone.
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        fn, args = as_jax(*build(scale, True))
+    args = jax.tree.map(
+        lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, args
+    )
     made = device.memory_stats()["peak_bytes_in_use"] if device.platform != "cpu" else None
+    kept = set(pathlib.Path(cache).iterdir())
     compiled = compile_fn(fn, *args)
+    loaded = not set(pathlib.Path(cache).iterdir()) - kept  # an earlier child kept this one
     what = f"{name}" + (f" with the {fix} fix" if fix else "")
     figures, _, seconds = run_compiled(
         compiled, lambda: _dynamic(compiled, args), devices_needed=program.devices, what=what
     )
     # The inputs were made before the compile here: the peak then is theirs.
-    return {**figures, "inputs_peak": made, "seconds": seconds}
+    return {**figures, "inputs_peak": made, "seconds": seconds, "loaded": loaded}
 
 
 def _dynamic(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -95,10 +109,20 @@ def measure(
         }
     start = time.perf_counter()
     try:
-        found = _subprocess.call(
-            "runbook.site.corpus.real._peaks:_peak_json",
-            timeout=time_limit, name=name, fix=fix, scale=scale,
-        )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="runbook-peaks-") as cache:
+            found = _subprocess.call(
+                "runbook.site.corpus.real._peaks:_peak_json",
+                timeout=time_limit, name=name, fix=fix, scale=scale, cache=cache,
+            )  # fmt: skip
+            if _compiling(found):
+                # The step's own peak is hidden under the compile's: run it again from
+                # the executable the first child kept, with no compile to peak.
+                first = found
+                found = _subprocess.call(
+                    "runbook.site.corpus.real._peaks:_peak_json",
+                    timeout=time_limit, name=name, fix=fix, scale=scale, cache=cache,
+                )  # fmt: skip
+                found["first_compile_peak"] = first["compile_peak"]
     except WontFitError as e:
         return {**row, "status": "won't fit", "reason": _subprocess.one_line(str(e))}
     except RunbookError as e:
@@ -110,6 +134,12 @@ def measure(
         **row, "status": "ok", **found, "ratio": ratio,
         "wall_seconds": round(time.perf_counter() - start, 1),
     }  # fmt: skip
+
+
+def _compiling(found: dict[str, Any]) -> bool:
+    """Whether a child's peak was reached while it compiled, after its inputs were made."""
+    peak = found["compile_peak"]
+    return peak is not None and peak >= found["measured"] > (found["inputs_peak"] or 0)
 
 
 def _libraries() -> dict[str, str | None]:
@@ -224,7 +254,12 @@ def peaks_table(data: dict[str, Any]) -> Any:
             rows.append([*what, "-", f"{r['status']}: {r['reason']}", "-", "-"])
             continue
         measured = fmt_bytes(r["measured"])
-        if r["inputs_peak"] is not None and r["inputs_peak"] >= r["measured"]:
+        if r.get("first_compile_peak") is not None:
+            measured += (
+                f" (run again from the compiled executable: compiling, with its autotuning, "
+                f"peaked at {fmt_bytes(r['first_compile_peak'])})"
+            )
+        elif r["inputs_peak"] is not None and r["inputs_peak"] >= r["measured"]:
             measured += " (reached while making the inputs)"
         elif r["compile_peak"] is not None and r["compile_peak"] >= r["measured"]:
             measured += " (reached while compiling)"
