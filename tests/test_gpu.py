@@ -179,7 +179,43 @@ def test_corpus_peaks_list_programs_as_written_first_and_keep_each_row(tmp_path,
     assert json.loads(out.read_text())["rows"] == data["rows"]
     assert _peaks.load(tmp_path)[0]["rows"] == data["rows"]
     table = _peaks.peaks_table(data)
+    # A program none of whose steps ran is one row.
+    assert [r[:2] for r in table.rows] == [
+        ["gpt2-pmap", "as written"], ["kv-cache-decode", "as written"],
+        ["kv-cache-decode", "donation"],
+    ]  # fmt: skip
     assert table.rows[0][3] == "not applicable: 8 devices"
     assert table.rows[1][2:] == [
-        "100.00 MiB", "150.00 MiB (reached while compiling)", "1.50x", "no"
+        "100.00 MiB", "150.00 MiB (reached while compiling)", "1.50x", "no", "-"
     ]  # fmt: skip
+    assert table.rows[2][-1] == "0.0% (0.0%)"
+    assert _peaks.peaks_summary(data) == (
+        f"On the {data['device_kind']}, 2 steps ran (programs as written and with their "
+        "fixes); 0 used what their compile predicted. Used more than predicted: "
+        "kv-cache-decode as written (1.50x); kv-cache-decode with the donation fix (1.50x)."
+    )
+
+
+def test_the_recorded_corpus_peaks_follow_from_their_figures():
+    from runbook._runtime import agrees
+    from runbook.site.corpus.real import _peaks, programs
+
+    names = [q.name for q in programs()]
+    for data in _peaks.load():
+        assert {"device_kind", "jax", "jaxlib", "generated", "libraries"} <= set(data)
+        assert sorted(r["program"] for r in data["rows"] if r["fix"] is None) == sorted(names)
+        for r in data["rows"]:
+            if r["status"] != "ok":
+                assert r["reason"]
+                continue
+            assert r["ratio"] == r["measured"] / r["predicted"]
+            if r.get("first_compile_peak") is not None:
+                # Run again only when the compile's peak hid the step's, and then loaded.
+                assert r["first_compile_peak"] >= r["measured"]
+                assert r["loaded"]
+        table = _peaks.peaks_table(data)
+        ran = [r for r in table.rows if r[5] in ("yes", "no")]
+        assert len(ran) == sum(r["status"] == "ok" for r in data["rows"])
+        assert sum(r[5] == "yes" for r in ran) == sum(
+            agrees(r["measured"], r["predicted"]) for r in data["rows"] if r["status"] == "ok"
+        )
