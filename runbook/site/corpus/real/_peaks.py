@@ -307,7 +307,7 @@ def peaks_table(data: dict[str, Any]) -> Any:
 def peaks_summary(data: dict[str, Any]) -> str:
     """One GPU's recorded corpus peaks in a sentence: how many steps ran, how many agree
     with their prediction, and which used more than it."""
-    from runbook._runtime import agrees
+    from runbook._runtime import SAFETY, agrees
 
     ran = [r for r in data["rows"] if r["status"] == "ok"]
     off = [r for r in ran if not agrees(r["measured"], r["predicted"])]
@@ -324,7 +324,10 @@ def peaks_summary(data: dict[str, Any]) -> str:
         )
         text += f" Used more than predicted: {named}."
     if refused:
-        text += f" {len(refused)} were refused before running: their prediction did not fit."
+        text += (
+            f" {len(refused)} were not run: their prediction was over {SAFETY:.0%} of what "
+            f"JAX may use there, the most the runbook lets a real run take."
+        )
     return text
 
 
