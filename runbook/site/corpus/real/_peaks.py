@@ -12,8 +12,8 @@ once, in a fresh process (the allocator's peak cannot be reset; its peak once th
 were made, and once compiled, are kept apart). Where the compile's peak (XLA's autotuning
 tries kernels on the device) hides the step's, a second process runs the step from the
 executable the first kept in JAX's compilation cache. A program that needs more devices than
-the machine has is recorded as not applicable; one the prediction says will not fit is
-refused before it runs. Writes ``gpu-<device kind>.json``, whose rows the diagnose page
+the machine has is recorded as not applicable; one whose prediction is over the share of
+the GPU a real run may take (`runbook._runtime.SAFETY`) is refused before it runs. Writes ``gpu-<device kind>.json``, whose rows the diagnose page
 shows (`peaks_summary`, `peaks_table`).
 """
 
