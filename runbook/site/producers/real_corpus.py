@@ -165,16 +165,12 @@ def run(name: str, target: str, measured: dict[str, Any] | None = None) -> dict[
 
 def provenance() -> dict[str, Any]:
     """The releases and machine that made the file."""
-    import importlib.metadata
-
     from runbook._provenance import Provenance
+    from runbook._targets import _version
 
     p = dataclasses.asdict(Provenance.current())
     for dist in ("flax", "equinox", "optax", "libtpu", "jax-cuda12-plugin"):
-        try:
-            p[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            p[dist] = None
+        p[dist] = _version(dist)
     return p
 
 

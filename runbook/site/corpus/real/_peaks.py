@@ -13,15 +13,15 @@ were made, and once compiled, are kept apart). Where the compile's peak (XLA's a
 tries kernels on the device) hides the step's, a second process runs the step from the
 executable the first kept in JAX's compilation cache. A program that needs more devices than
 the machine has is recorded as not applicable; one whose prediction is over the share of
-the GPU a real run may take (`runbook._runtime.SAFETY`) is refused before it runs. Writes ``gpu-<device kind>.json``, whose rows the diagnose page
-shows (`peaks_summary`, `peaks_table`).
+the GPU a real run may take (`runbook._runtime.SAFETY`) is refused before it runs. Writes
+``gpu-<device kind>.json``, whose rows the diagnose page shows (`peaks_summary`,
+`peaks_table`).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -36,6 +36,7 @@ from typing import Any
 
 from runbook import _forkserver, _subprocess
 from runbook._errors import RunbookError, WontFitError
+from runbook._targets import _version
 
 from . import get, programs
 
@@ -113,18 +114,18 @@ def measure(
     start = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="runbook-peaks-") as cache:
-            found = _subprocess.call(
-                "runbook.site.corpus.real._peaks:_peak_json",
-                timeout=time_limit, name=name, fix=fix, scale=scale, cache=cache,
-            )  # fmt: skip
-            if _compiling(found):
-                # The step's own peak is hidden under the compile's: run it again from
-                # the executable the first child kept, with no compile to peak.
-                first = found
-                found = _subprocess.call(
+
+            def child() -> Any:
+                return _subprocess.call(
                     "runbook.site.corpus.real._peaks:_peak_json",
                     timeout=time_limit, name=name, fix=fix, scale=scale, cache=cache,
                 )  # fmt: skip
+
+            found = child()
+            if _compiling(found):
+                # The step's own peak is hidden under the compile's: run it again from
+                # the executable the first child kept, with no compile to peak.
+                first, found = found, child()
                 found["first_compile_peak"] = first["compile_peak"]
     except WontFitError as e:
         return {**row, "status": "won't fit", "reason": _subprocess.one_line(str(e))}
@@ -147,13 +148,7 @@ def _compiling(found: dict[str, Any]) -> bool:
 
 def _libraries() -> dict[str, str | None]:
     """The model libraries' versions (the corpus's programs are written with them)."""
-    found: dict[str, str | None] = {}
-    for name in ("flax", "equinox", "optax"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return {name: _version(name) for name in ("flax", "equinox", "optax")}
 
 
 def collect(
