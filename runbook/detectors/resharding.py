@@ -10,6 +10,7 @@ count here, not under their own cases: splitting the batch is what divides them 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -50,10 +51,24 @@ def whole_values(program: Program) -> list[Value]:
             v.kind == "temp"
             and v.size >= MIN_VALUE * program.total
             and math.prod(Shape(v.shape).dims) not in weights
-            and program.whole_on_each_device(v)
+            and _whole_on_each_device(program, v)
         ):
             found.append(v)
     return found
+
+
+def _whole_on_each_device(program: Program, v: Value) -> bool:
+    """`Program.whole_on_each_device`, and for an instruction the compiler made with no JAX
+    op of its own (a TPU compile's async collective, which gathers the logits' gradient
+    whole), the same question of each of its operands, at this value's shape: what it moved."""
+    if program.whole_on_each_device(v):
+        return True
+    inst = program.module.get(v.instruction)
+    if inst is None or program.describe(inst)[0]:
+        return False
+    return any(
+        program.whole_on_each_device(dataclasses.replace(v, instruction=o)) for o in inst.operands
+    )
 
 
 def _input_elements(program: Program) -> set[int]:
