@@ -7,7 +7,8 @@ import re
 from collections import Counter
 
 from .._hlo import Instruction, Value
-from .._program import Parameter, Program
+from .._program import NearMiss, Parameter, Program
+from .._render import fmt_bytes
 from .._timeline import of_program
 
 # copy-start/copy-done: the TPU compiler's asynchronous copies (prefetches between memory spaces).
@@ -226,6 +227,27 @@ def at_peak(program: Program, values: list[Value]) -> int | None:
         if found is not None and found[0] <= position <= found[1]:
             live[v.allocation, v.offset] = max(v.size, live.get((v.allocation, v.offset), 0))
     return sum(live.values())
+
+
+def off_peak(
+    program: Program, case: str, pattern: str, seen: str, values: list[Value], min_share: float
+) -> NearMiss | None:
+    """The near miss of a detector that names only what is live at the program's peak:
+    `values` (`seen`, in a phrase) hold at least `min_share` of the total at once, less at
+    the peak. None where they are named, or too few to be."""
+    nbytes = program.peak(values)
+    peak = at_peak(program, values)
+    if nbytes < min_share * program.total or peak is None or peak >= min_share * program.total:
+        return None
+    where = program.shared(of_program).peak_instruction.split(",")[0]
+    return NearMiss(
+        case,
+        pattern,
+        nbytes,
+        f"{seen} hold {fmt_bytes(nbytes)} at once, {nbytes / program.total:.0%} of the total, "
+        f"but {fmt_bytes(peak)} at the program's peak ({where}): its fix lowers another point "
+        f"of the schedule (named from {min_share:.0%} at the peak)",
+    )
 
 
 def _multiplying_fusions(program: Program) -> dict[str, set[str]]:

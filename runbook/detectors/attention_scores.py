@@ -13,10 +13,10 @@ import math
 import re
 
 from .._hlo import Instruction, Shape, Value
-from .._program import Finding, Program, finding
+from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from . import resharding
-from ._common import at_peak, is_product, made_from, moved_input
+from ._common import at_peak, is_product, made_from, moved_input, off_peak
 
 MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
 MIN_TOKENS = 128  # a shorter sequence's scores are small whatever the program does
@@ -163,3 +163,13 @@ def detect(program: Program) -> list[Finding]:
             )
         )
     return out
+
+
+def near_miss(program: Program) -> NearMiss | None:
+    """Attention scores held at once, but not at the program's peak."""
+    for tokens, chosen in program.shared(_claimed):
+        seen = f"{len(chosen)} arrays with two axes of {tokens:,} tokens"
+        miss = off_peak(program, CASE, PATTERN, seen, [v for v, _ in chosen], MIN_SHARE)
+        if miss is not None:
+            return miss
+    return None

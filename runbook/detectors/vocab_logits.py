@@ -13,10 +13,10 @@ import math
 import re
 
 from .._hlo import Instruction, Shape, Value
-from .._program import Finding, Program, finding
+from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from . import resharding
-from ._common import PRODUCTS, made_from, moved_input
+from ._common import PRODUCTS, at_peak, made_from, moved_input, off_peak
 
 MIN_SHARE = 0.05  # of the program's total, held at once by tokens x vocabulary arrays
 MAX_EVIDENCE = 6
@@ -32,7 +32,8 @@ def rule() -> str:
         "a maximum, both made from those products with no further product (a softmax or "
         "log-softmax of the logits: a sigmoid takes no maximum, attention multiplies again); "
         "every tokens x V array outside loops counts, reported at "
-        f"{MIN_SHARE:.0%} of the program's total live at once"
+        f"{MIN_SHARE:.0%} of the program's total live at once, and as much live at the "
+        "program's peak"
     )
 
 
@@ -87,8 +88,13 @@ def _maxima(program: Program) -> list[Instruction]:
     return found
 
 
-def _claimed(program: Program) -> list[tuple[int, int, list[tuple[Value, Instruction]]]]:
-    """(V, elements, the tokens x V arrays) for each softmax of logits; each value under one."""
+def _claimed(
+    program: Program,
+) -> list[tuple[int, int, list[tuple[Value, Instruction]], list[Value]]]:
+    """(V, elements, the tokens x V arrays, those of them computed whole on every device)
+    for each softmax of logits; each value under one. The arrays computed whole are
+    `resharding`'s to name, but a chunked loss frees them too: they count towards whether
+    the logits are live at the program's peak (`detect`), never towards their bytes."""
     logits = _logits(program)
     if not logits:
         return []
@@ -111,38 +117,45 @@ def _claimed(program: Program) -> list[tuple[int, int, list[tuple[Value, Instruc
         if any(made_from(program, m, logits[key]) for m in maxima)
     }
     out = []
-    taken = resharding.whole(program)  # computed whole: splitting the batch first
+    whole = resharding.whole(program)  # computed whole: splitting the batch first
+    taken = set(whole)
     for (vocab, elements), counts in sorted(softmax.items(), key=lambda s: -s[0][0] * s[0][1]):
-        chosen = []
+        chosen, computed_whole = [], []
         for v in program.values:
-            if (v.instruction, v.index) in taken:
-                continue
             shape = Shape(v.shape)
             found = program.module.get(v.instruction)
-            if (
+            if not (
                 v.kind in ("temp", "output")
                 and found is not None
                 and vocab in shape.dims
                 and math.prod(shape.dims) in counts
                 and not program.in_loop(found)
             ):
+                continue
+            if (v.instruction, v.index) in whole:
+                computed_whole.append(v)
+            elif (v.instruction, v.index) not in taken:
                 chosen.append((v, found))
         taken |= {(v.instruction, v.index) for v, _ in chosen}  # each value under one V
-        out.append((vocab, elements, chosen))
+        out.append((vocab, elements, chosen, computed_whole))
     return out
 
 
 def logit_values(program: Program) -> set[tuple[str, str]]:
     """The values this detector reads as logits (another detector leaves them)."""
-    return {(v.instruction, v.index) for *_, chosen in program.shared(_claimed) for v, _ in chosen}
+    claimed = program.shared(_claimed)
+    return {(v.instruction, v.index) for _, _, chosen, _ in claimed for v, _ in chosen}
 
 
 def detect(program: Program) -> list[Finding]:
     out = []
-    for vocab, _, chosen in program.shared(_claimed):
+    for vocab, _, chosen, computed_whole in program.shared(_claimed):
         nbytes = program.peak(v for v, _ in chosen)
         if not chosen or nbytes < MIN_SHARE * program.total:
             continue
+        peak = at_peak(program, [v for v, _ in chosen] + computed_whole)
+        if peak is not None and peak < MIN_SHARE * program.total:
+            continue  # not held at the peak: chunking them lowers a point that is not the top
         evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
         tokens = max(math.prod(Shape(v.shape).dims) for v, _ in chosen) // vocab  # per device
         out.append(
@@ -161,3 +174,14 @@ def detect(program: Program) -> list[Finding]:
             )
         )
     return out
+
+
+def near_miss(program: Program) -> NearMiss | None:
+    """Logits held at once, but not at the program's peak."""
+    for vocab, _, chosen, computed_whole in program.shared(_claimed):
+        values = [v for v, _ in chosen]
+        seen = f"{len(values)} tokens x {vocab:,} arrays around a softmax over the vocabulary"
+        miss = off_peak(program, CASE, PATTERN, seen, values + computed_whole, MIN_SHARE)
+        if miss is not None and program.peak(values) >= MIN_SHARE * program.total:
+            return miss
+    return None
