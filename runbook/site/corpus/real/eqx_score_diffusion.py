@@ -17,10 +17,13 @@ t1, key, optimizer state, optimizer update), with the two lambdas as the example
 them. Changed: the MNIST loader is left out (data are abstract); einops' rearranges are
 written with `jnp` transposes; our own code throughout.
 
-The fixes: vmap-materialize (the examples a group at a time under a checkpointed
-`lax.map`), donation (``donate="all"``), and grad-accumulation (the batch's times and keys
-drawn whole, then `runbook.cases.grad_accumulation.accumulate_gradients` over
-micro-batches of the examples).
+The fixes: vmap-materialize (the vmap-materialize case's fix, ``lax.map`` with a
+``batch_size``: the examples a group at a time), donation (``donate="all"``), and
+grad-accumulation (the batch's times and keys drawn whole, then
+`runbook.cases.grad_accumulation.accumulate_gradients` over micro-batches of the examples).
+Each group of the ``lax.map`` is not checkpointed: a checkpoint per group would keep one
+group's activations for the backward pass at a time, which is grad-accumulation's
+mechanism (and its fix's saving), not the vmapped temporaries'.
 """
 
 from __future__ import annotations
@@ -140,15 +143,12 @@ def batch_loss_fn(
 def batch_loss_mapped(
     model: Mixer2d, weight: Any, int_beta: Any, data: jax.Array, t1: float, key: jax.Array
 ) -> jax.Array:
-    """The vmap-materialize fix: the examples `MAP_BATCH` at a time under `lax.map`, each
-    group checkpointed, so that the gradient keeps one group's activations at a time."""
+    """The vmap-materialize fix: the examples `MAP_BATCH` at a time under
+    ``lax.map(..., batch_size=...)``, as the case's fix has it."""
     t, keys = _times_and_keys(data.shape[0], t1, key)
     per_example = functools.partial(single_loss_fn, model, weight, int_beta)
-    group = jax.checkpoint(lambda xs: jax.vmap(per_example)(*xs))
-    size = min(MAP_BATCH, data.shape[0])
-    n = data.shape[0] // size
-    grouped = jax.tree.map(lambda a: a.reshape(n, size, *a.shape[1:]), (data, t, keys))
-    return jnp.mean(jax.lax.map(group, grouped))
+    losses = jax.lax.map(lambda xs: per_example(*xs), (data, t, keys), batch_size=MAP_BATCH)
+    return jnp.mean(losses)
 
 
 def make_step(
