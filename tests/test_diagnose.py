@@ -25,13 +25,15 @@ import runbook
 import runbook.site
 from conftest import one_timing_at_a_time
 from runbook._cli import main
+from runbook._program import Program, cpu_accounting_options
 from runbook._subprocess import child_env
 from runbook._targets import unavailable
 from runbook.cases import attention_scores as attn
 from runbook.cases import host_offloading, resharding, tpu_padding
 from runbook.cases._setup.attention_scores import attention_backward
-from runbook.detectors import DETECTORS
+from runbook.detectors import DETECTORS, vocab_logits
 from runbook.detectors import scan_residuals as scan_residuals_detector
+from runbook.detectors._common import at_peak
 from runbook.site import scan_residuals
 from runbook.site._accelerator import recommended, worst_point
 from runbook.site._diagnose_cases import case_diagnosis_table, diagnose_case
@@ -495,7 +497,6 @@ def test_a_constant_named_for_the_backward_pass_leaves_its_fusion_in_the_forward
     import types
 
     from runbook._hlo import parse_module
-    from runbook._program import Program
 
     module = parse_module(_SHARED_CONSTANT)
     assert "transpose(" in module.get("c").op_name
@@ -517,7 +518,6 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 
 def test_a_value_the_compiler_recomputes_from_for_the_backward_pass_is_kept_for_it():
     from runbook._hlo import Value, parse_module
-    from runbook._program import Program
 
     program = object.__new__(Program)  # the module alone: what these two methods read
     program.module = parse_module(_REMAT_CLONE)
@@ -683,6 +683,31 @@ def test_vocab_logits():
     assert f.bytes >= 2 * logits  # the logits and their exponential at least
     assert all(b.shape == "f32[4096,32000]" for b in f.evidence)
     assert not runbook.diagnose(jax.value_and_grad(lm_loss_chunked), *LM).findings
+
+
+def lm_loss_then_a_larger_product(w, h, labels, a):
+    # The product waits for the loss: by the time it is made, no logits are live.
+    loss = lm_loss(w, h, labels)
+    return jnp.sum(jnp.exp((loss * a) @ a.T))
+
+
+def test_logits_not_live_at_the_peak_are_not_named():
+    # gpt2-pmap on a v5e: its logits are a tenth of the total at their own time, none of it
+    # at the program's peak, and the chunked loss saves nothing there. Chunking the logits
+    # lowers a point of the schedule that is not the top: not named.
+    args = (*LM, S((32768, 64), f32))  # a 4 GiB product after the loss
+    program = Program.compile(
+        lm_loss_then_a_larger_product, *args, compiler_options=cpu_accounting_options()
+    )
+    ((_, _, chosen, _),) = vocab_logits._claimed(program)
+    values = [v for v, _ in chosen]
+    assert program.peak(values) >= vocab_logits.MIN_SHARE * program.total  # seen, held
+    assert at_peak(program, values) == 0
+    assert not vocab_logits.detect(program)
+    d = runbook.diagnose(lm_loss_then_a_larger_product, *args)
+    assert "vocab-logits" not in d.cases
+    assert d.closest is not None and d.closest.case == "vocab-logits"  # seen, and why not
+    assert "0 B at the program's peak" in d.closest.reason
 
 
 def lm_loss_and_accuracy(w, h, labels):

@@ -10,9 +10,15 @@ verdicts follow from their own figures.
 from __future__ import annotations
 
 import textwrap
+import types
 
 import pytest
 
+import runbook
+from runbook import _targets
+from runbook._hlo import Value
+from runbook._targets import unavailable
+from runbook.detectors import resharding
 from runbook.site.corpus import real
 from runbook.site.producers import real_corpus
 
@@ -118,6 +124,46 @@ def test_nanodos_fsdp_step_is_named_whole_on_every_device_and_counted_once(child
         assert sum(f[2] for f in d["findings"]) <= d["total"]
         shown = [name for f in d["findings"] for name in f[3]]
         assert len(shown) == len(set(shown)), shown  # each buffer in one finding
+
+
+# The step donates its batch of token ids, which no output can reuse: as its authors wrote it.
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_nanodos_fsdp_step_for_a_v5e_counts_each_buffer_once():
+    # At the authors' scale XLA's TPU compiler (jax 0.10.2) gathers the logits' gradient
+    # whole in an async collective that carries no JAX op: judged by what it gathers, it is
+    # computed whole on every device (resharding's), not logits besides.
+    if unavailable("v5e") is not None:
+        pytest.skip(unavailable("v5e"))
+    t = _targets.require("v5e")
+    with _targets.compiling_for(t):
+        fn, args = real.get("nanodo-fsdp").build("authors", False)
+        d = runbook.diagnose(fn, *args, target=t)
+    findings = [f for f in d.findings if not f.informational]
+    assert {"resharding", "vocab-logits"} <= {f.case for f in findings}
+    assert sum(f.bytes for f in findings) <= d.report.total
+    shown = [(b.instruction, b.shape) for f in findings for b in f.evidence]
+    assert len(shown) == len(set(shown)), shown
+
+
+def test_an_instruction_with_no_op_is_judged_whole_by_what_it_moves():
+    whole = {"fusion.1"}  # the op that computes its value whole on every device
+    module = {
+        "async-collective-start.9": types.SimpleNamespace(operands=("fusion.1",)),
+        "copy.2": types.SimpleNamespace(operands=("fusion.3",)),
+        "fusion.4": types.SimpleNamespace(operands=("fusion.1",)),
+    }
+    program = types.SimpleNamespace(
+        module=types.SimpleNamespace(get=module.get),
+        describe=lambda inst: ("" if inst is not module["fusion.4"] else "jit(f)/dot", ""),
+        whole_on_each_device=lambda v: v.instruction in whole,
+    )
+
+    def value(name: str) -> Value:
+        return Value(name, "{}", 8, 0, 0, "temp", "f32[2]")
+
+    assert resharding._whole_on_each_device(program, value("async-collective-start.9"))
+    assert not resharding._whole_on_each_device(program, value("copy.2"))  # what it moves is not
+    assert not resharding._whole_on_each_device(program, value("fusion.4"))  # an op of its own
 
 
 def test_a_fix_the_target_refuses_is_read_from_its_buffer_assignment(monkeypatch):
