@@ -706,7 +706,8 @@ def test_logits_not_live_at_the_peak_are_not_named():
     assert not vocab_logits.detect(program)
     d = runbook.diagnose(lm_loss_then_a_larger_product, *args)
     assert "vocab-logits" not in d.cases
-    assert d.closest is not None and d.closest.case == "vocab-logits"  # seen, and why not
+    assert d.closest is not None  # seen, and why not named
+    assert d.closest.case == "vocab-logits"
     assert "0 B at the program's peak" in d.closest.reason
 
 
