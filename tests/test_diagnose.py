@@ -33,7 +33,7 @@ from runbook.cases import host_offloading, resharding, tpu_padding
 from runbook.cases._setup.attention_scores import attention_backward
 from runbook.detectors import DETECTORS, vocab_logits
 from runbook.detectors import scan_residuals as scan_residuals_detector
-from runbook.detectors._common import at_peak
+from runbook.detectors._common import at_peak, held_at_peak, off_peak
 from runbook.site import scan_residuals
 from runbook.site._accelerator import recommended, worst_point
 from runbook.site._diagnose_cases import case_diagnosis_table, diagnose_case
@@ -704,6 +704,13 @@ def test_logits_not_live_at_the_peak_are_not_named():
     assert program.peak(values) >= vocab_logits.MIN_SHARE * program.total  # seen, held
     assert at_peak(program, values) == 0
     assert not vocab_logits.detect(program)
+    share = vocab_logits.MIN_SHARE
+    assert held_at_peak(program, values, share) is None
+    # What another detector names and the same fix frees counts towards the peak, never
+    # towards the bytes (logits computed whole on every device, resharding's).
+    top = [v for v in program.values if at_peak(program, [v])]  # the later product's
+    assert held_at_peak(program, values, share, also=top) == program.peak(values)
+    assert off_peak(program, "vocab-logits", "", "", values, share, also=top) is None
     d = runbook.diagnose(lm_loss_then_a_larger_product, *args)
     assert "vocab-logits" not in d.cases
     assert d.closest is not None  # seen, and why not named

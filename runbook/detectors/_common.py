@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
+from collections.abc import Sequence
 
 from .._hlo import Instruction, Value
 from .._program import NearMiss, Parameter, Program
@@ -229,14 +230,34 @@ def at_peak(program: Program, values: list[Value]) -> int | None:
     return sum(live.values())
 
 
-def off_peak(
-    program: Program, case: str, pattern: str, seen: str, values: list[Value], min_share: float
-) -> NearMiss | None:
-    """The near miss of a detector that names only what is live at the program's peak:
-    `values` (`seen`, in a phrase) hold at least `min_share` of the total at once, less at
-    the peak. None where they are named, or too few to be."""
+def held_at_peak(
+    program: Program, values: list[Value], min_share: float, also: Sequence[Value] = ()
+) -> int | None:
+    """The bytes `values` hold at once, where a detector that names only what is live at the
+    program's peak names them: at least `min_share` of the total at once, and at the peak
+    (where XLA wrote live ranges). `also`: values the same fix frees that another detector
+    names; they count towards the peak, never towards the bytes. Else None."""
     nbytes = program.peak(values)
-    peak = at_peak(program, values)
+    if not values or nbytes < min_share * program.total:
+        return None
+    peak = at_peak(program, [*values, *also])
+    return None if peak is not None and peak < min_share * program.total else nbytes
+
+
+def off_peak(
+    program: Program,
+    case: str,
+    pattern: str,
+    seen: str,
+    values: list[Value],
+    min_share: float,
+    also: Sequence[Value] = (),
+) -> NearMiss | None:
+    """The near miss of a detector that names only what is live at the program's peak
+    (`held_at_peak`): `values` (`seen`, in a phrase) hold at least `min_share` of the total
+    at once, less at the peak. None where they are named, or too few to be."""
+    nbytes = program.peak(values)
+    peak = at_peak(program, [*values, *also])
     if nbytes < min_share * program.total or peak is None or peak >= min_share * program.total:
         return None
     where = program.shared(of_program).peak_instruction.split(",")[0]

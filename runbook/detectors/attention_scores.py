@@ -16,7 +16,7 @@ from .._hlo import Instruction, Shape, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from . import resharding
-from ._common import at_peak, is_product, made_from, moved_input, off_peak
+from ._common import held_at_peak, is_product, made_from, moved_input, off_peak
 
 MIN_SHARE = 0.10  # of the program's total, held at once by T x T arrays
 MIN_TOKENS = 128  # a shorter sequence's scores are small whatever the program does
@@ -140,12 +140,9 @@ def scores(program: Program) -> set[tuple[str, str]]:
 def detect(program: Program) -> list[Finding]:
     out = []
     for tokens, chosen in program.shared(_claimed):
-        nbytes = program.peak(v for v, _ in chosen)
-        if not chosen or nbytes < MIN_SHARE * program.total:
-            continue
-        peak = at_peak(program, [v for v, _ in chosen])
-        if peak is not None and peak < MIN_SHARE * program.total:
-            continue  # not held at the peak: blocks would lower a point that is not the top
+        nbytes = held_at_peak(program, [v for v, _ in chosen], MIN_SHARE)
+        if nbytes is None:
+            continue  # too few, or not held at the peak: blocks would lower another point
         evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
         out.append(
             finding(

@@ -16,7 +16,7 @@ from .._hlo import Instruction, Shape, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from . import resharding
-from ._common import PRODUCTS, at_peak, made_from, moved_input, off_peak
+from ._common import PRODUCTS, held_at_peak, made_from, moved_input, off_peak
 
 MIN_SHARE = 0.05  # of the program's total, held at once by tokens x vocabulary arrays
 MAX_EVIDENCE = 6
@@ -150,12 +150,11 @@ def logit_values(program: Program) -> set[tuple[str, str]]:
 def detect(program: Program) -> list[Finding]:
     out = []
     for vocab, _, chosen, computed_whole in program.shared(_claimed):
-        nbytes = program.peak(v for v, _ in chosen)
-        if not chosen or nbytes < MIN_SHARE * program.total:
+        # Logits computed whole on every device count towards the peak: a chunked loss frees
+        # them too (they are resharding's bytes).
+        nbytes = held_at_peak(program, [v for v, _ in chosen], MIN_SHARE, computed_whole)
+        if nbytes is None:
             continue
-        peak = at_peak(program, [v for v, _ in chosen] + computed_whole)
-        if peak is not None and peak < MIN_SHARE * program.total:
-            continue  # not held at the peak: chunking them lowers a point that is not the top
         evidence = sorted((program.buffer(i, v) for v, i in chosen), key=lambda b: -b.size)
         tokens = max(math.prod(Shape(v.shape).dims) for v, _ in chosen) // vocab  # per device
         out.append(
@@ -181,7 +180,7 @@ def near_miss(program: Program) -> NearMiss | None:
     for vocab, _, chosen, computed_whole in program.shared(_claimed):
         values = [v for v, _ in chosen]
         seen = f"{len(values)} tokens x {vocab:,} arrays around a softmax over the vocabulary"
-        miss = off_peak(program, CASE, PATTERN, seen, values + computed_whole, MIN_SHARE)
-        if miss is not None and program.peak(values) >= MIN_SHARE * program.total:
+        miss = off_peak(program, CASE, PATTERN, seen, values, MIN_SHARE, computed_whole)
+        if miss is not None:
             return miss
     return None
