@@ -254,7 +254,7 @@ def real_corpus(session: nox.Session, release: str) -> None:
     """Diagnose the real-program corpus at its authors' scale on CPU and for the H100 and
     v5e targets, with each program's fixes measured, at one end of the tested releases
     (`nox -s "real-corpus(newest)"`): docs/_data/corpus/real.json, one row per program,
-    target and release. Options after --: --targets, --programs, --diagnose-only (see the
+    target and release. Options after --: --targets, --programs, --diagnose-only, --fixes (see the
     module's help)."""
     session.install(
         "-e.[targets]", f"jax=={release}", f"jaxlib=={release}", "equinox", "flax"

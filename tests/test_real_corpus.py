@@ -45,6 +45,7 @@ def test_the_corpus_covers_what_users_run():
         assert p.source.startswith("https://github.com/"), p.name
         assert "/blob/" in p.source, p.name  # at a commit
         assert p.fixes, p.name
+        assert set(p.compared) <= set(p.fixes), p.name
 
 
 @pytest.mark.parametrize("name", [p.name for p in PROGRAMS])
@@ -184,7 +185,7 @@ def test_a_fix_the_target_refuses_is_read_from_its_buffer_assignment(monkeypatch
     assert fix["saving"] == 10**9 - fix["total"]
 
 
-def test_diagnosing_a_row_again_keeps_its_fixes_and_refuses_a_changed_program():
+def test_a_row_measured_again_keeps_one_half_and_refuses_a_changed_program():
     # After a detector changes, `--diagnose-only` times and diagnoses a row again and keeps
     # what its fixes measured: valid only while the program compiles to the same total.
     name = "kv-cache-decode"  # one device, seconds at its authors' scale
@@ -198,6 +199,18 @@ def test_diagnosing_a_row_again_keeps_its_fixes_and_refuses_a_changed_program():
     assert again["expected"] == sorted(kept)  # the verdicts follow the kept figures
     with pytest.raises(RuntimeError, match="its fixes must be measured again"):
         real_corpus.evaluate(name, "cpu", {**row, "total": row["total"] + 1})
+
+    # After a fix is added or changed, `--fixes` measures it and keeps the diagnosis: the
+    # verdicts follow the new figure; a program that compiles to another total is refused.
+    stale = {**again, "named": ["donation"], "date": "2026-01-02"}
+    refixed = real_corpus.refix(name, "cpu", stale, ["donation", "no-such-case"])
+    assert set(refixed["fixes"]) == set(kept)
+    assert refixed["fixes"]["donation"]["saving"] == row["fixes"]["donation"]["saving"]
+    assert refixed["fixes"]["donation"]["date"] != "2026-01-02"
+    assert (refixed["named"], refixed["date"]) == (["donation"], "2026-01-02")
+    assert refixed["false_alarms"] == ["donation"]  # it saves under the threshold
+    with pytest.raises(RuntimeError, match="without --fixes"):
+        real_corpus.refix(name, "cpu", {**row, "total": row["total"] + 1}, ["donation"])
 
 
 def test_a_false_alarm_with_no_fix_tried_says_so():

@@ -2,7 +2,7 @@
 
     nox -s "real-corpus(newest)"  (python -m runbook.site.producers.real_corpus
                                   [--targets cpu h100 v5e] [--programs NAME ...] [--out FILE]
-                                  [--diagnose-only])
+                                  [--diagnose-only | --fixes CASE ...])
     nox -s "real-corpus(oldest)"  (the same, on the oldest tested release)
 
 For each program of `runbook.site.corpus.real` and each target (this machine's CPU, and
@@ -22,6 +22,10 @@ makes of each fix, which a detector does not change) and is timed and diagnosed 
 after a detector changes, at the cost of a bare compile and a diagnosis per row. The row
 records both dates (``date``: the diagnosis, ``fixes_date``: the fixes), and stops with
 an error where the program's total is no longer the one its fixes were measured against.
+With ``--fixes CASE ...``, the other way round: a row already in the file keeps its
+diagnosis, and those fixes of its program are measured (again), each with its own
+``date``, after a bare compile checks that the program is the one the row diagnosed: after
+a fix is added or changed, at the cost of the fixes' compiles.
 """
 
 from __future__ import annotations
@@ -101,10 +105,45 @@ def evaluate(name: str, target: str, measured: dict[str, Any] | None = None) -> 
         fits=d.fits,
         margin=d.margin,
     )
-    row["expected"] = sorted(c for c, f in fixes.items() if f.get("saving", 0) >= THRESHOLD * total)
-    row["missed"] = sorted(set(row["expected"]) - set(d.cases))
-    row["false_alarms"] = sorted(set(d.cases) - set(row["expected"]))
+    return _verdicts(row)
+
+
+def _verdicts(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with what its fixes' savings make of what it names: expected, missed and false
+    alarms."""
+    fixes, named = row["fixes"], row["named"]
+    row["expected"] = sorted(
+        c for c, f in fixes.items() if f.get("saving", 0) >= THRESHOLD * row["total"]
+    )
+    row["missed"] = sorted(set(row["expected"]) - set(named))
+    row["false_alarms"] = sorted(set(named) - set(row["expected"]))
     return row
+
+
+def refix(name: str, target: str, measured: dict[str, Any], cases: list[str]) -> dict[str, Any]:
+    """The row `measured` with the fixes `cases` of its program measured (again), its
+    diagnosis kept; a bare compile first checks that the program compiles to the row's
+    total."""
+    from runbook import _targets
+    from runbook._program import cpu_accounting_options
+    from runbook.site.corpus import real
+
+    program = real.get(name)
+    t = None if target == "cpu" else _targets.require(target)
+    options = cpu_accounting_options() if t is None else {}
+    with _targets.compiling_for(t):
+        bare = _fix(program.build("authors", False), 0, t, options)
+        if bare.get("total") != measured["total"]:
+            raise RuntimeError(
+                f"{name} on {target} compiles to {bare} now, {measured['total']:,} bytes in "
+                "the row: diagnose it again with all its fixes (without --fixes)"
+            )
+        fixes = dict(measured["fixes"])
+        for case in cases:
+            if case in program.fixes:
+                fixes[case] = _fix(program.fixes[case]("authors", False), bare["total"], t, options)
+                fixes[case]["date"] = time.strftime("%Y-%m-%d")
+    return _verdicts(dict(measured, fixes=fixes))
 
 
 def _fix(built: tuple[Any, Any], total: int, t: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -139,14 +178,19 @@ def _error(e: Exception) -> dict[str, str]:
 
 
 def _evaluate_json(
-    name: str, target: str, measured: dict[str, Any] | None = None
+    name: str, target: str, measured: dict[str, Any] | None = None, cases: list[str] | None = None
 ) -> dict[str, Any]:
-    """`evaluate` in a child process (forced host devices)."""
+    """`evaluate` (or `refix`, given `cases`) in a child process (forced host devices)."""
+    if cases is not None and measured is not None:
+        return refix(name, target, measured, cases)
     return evaluate(name, target, measured)
 
 
-def run(name: str, target: str, measured: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`evaluate`, in a child with the program's devices where the CPU needs them."""
+def run(
+    name: str, target: str, measured: dict[str, Any] | None = None, cases: list[str] | None = None
+) -> dict[str, Any]:
+    """`evaluate` (or `refix`, given `cases`), in a child with the program's devices where
+    the CPU needs them."""
     from runbook import _subprocess
     from runbook.site.corpus import real
 
@@ -158,9 +202,10 @@ def run(name: str, target: str, measured: dict[str, Any] | None = None) -> dict[
             name=name,
             target=target,
             measured=measured,
+            cases=cases,
         )
         return data
-    return evaluate(name, target, measured)
+    return _evaluate_json(name, target, measured, cases)
 
 
 def provenance() -> dict[str, Any]:
@@ -333,12 +378,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--programs", nargs="+", default=None)
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
-    parser.add_argument(
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument(
         "--diagnose-only",
         action="store_true",
         help="keep each row's fixes; time and diagnose it again (after a detector changes)",
     )
+    again.add_argument(
+        "--fixes",
+        nargs="+",
+        metavar="CASE",
+        help="keep each row's diagnosis; measure these fixes of its program (after a fix "
+        "is added or changed)",
+    )
     a = parser.parse_args(argv)
+    kept = a.diagnose_only or a.fixes is not None  # rows that must be in the file already
     names = a.programs or [p.name for p in real.programs()]
     old = json.loads(a.out.read_text()) if a.out.exists() else {"rows": []}
     rows = {(r["program"], r["target"], release(r)): r for r in old["rows"]}
@@ -348,21 +402,22 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:
             print(f"{name} on {target} ...", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            measured = rows.get((name, target, jax.__version__)) if a.diagnose_only else None
-            if a.diagnose_only and (measured is None or "error" in measured):
+            measured = rows.get((name, target, jax.__version__)) if kept else None
+            if kept and (measured is None or "error" in measured):
                 print(f"  no measured row to diagnose again: {name} on {target} skipped",
                       file=sys.stderr, flush=True)  # fmt: skip
                 continue
             try:
-                row = run(name, target, measured)
+                row = run(name, target, measured, a.fixes)
             except Exception as e:  # noqa: BLE001 - recorded, and the next program goes on
                 traceback.print_exc()
                 if measured is not None:
                     continue  # the measured row stands
                 row = {"program": name, "target": target, "jax": jax.__version__,
                        "error": f"{type(e).__name__}: {e}"}  # fmt: skip
-            row["wall_seconds"] = time.perf_counter() - start
-            row["date"] = time.strftime("%Y-%m-%d")
+            if a.fixes is None:  # a row's own seconds and date are its diagnosis's
+                row["wall_seconds"] = time.perf_counter() - start
+                row["date"] = time.strftime("%Y-%m-%d")
             rows[name, target, jax.__version__] = row
             print(json.dumps(row)[:400], file=sys.stderr, flush=True)
             a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,12 +47,18 @@ def _numbers(out: object) -> list[np.ndarray]:
 
 def same_results(name: str) -> dict[str, float]:
     """Each fix's largest difference from the program's own result at tiny scale, relative
-    to the result's magnitude plus one (inf where the results differ in shape)."""
+    to the result's magnitude plus one (inf where the results differ in shape). A fix in
+    `RealProgram.compared` is compared as the pair given there."""
     program = get(name)
     fn, args = program.build("tiny", True)
-    want = _numbers(fn(*args))
+    own = _numbers(fn(*args))
     found = {}
     for case, build in program.fixes.items():
+        want = own
+        if case in program.compared:
+            reference, build = program.compared[case]
+            step, step_args = reference("tiny", True)
+            want = _numbers(step(*step_args))
         fixed, fixed_args = build("tiny", True)
         got = _numbers(fixed(*fixed_args))
         if [g.shape for g in got] != [w.shape for w in want]:

@@ -32,6 +32,9 @@ class RealProgram:
             decides per target); the fix computes the same result (the tests check it).
         devices: the devices its mesh or pmap spans; it takes them from
             `runbook._case_types.devices(n)`, so that a compile target's devices serve too.
+        compared: case -> (step, fix) that the same-result check compares in place of
+            `build` and the fix, where the fix draws its random numbers otherwise by design
+            (dropout masks drawn per micro-batch): both built without that randomness.
         tolerance: relative tolerance when comparing a fix's result with the step's.
         notes: what differs from the source, if anything (a sentence).
     """
@@ -43,6 +46,7 @@ class RealProgram:
     build: Builder
     fixes: Mapping[str, Builder] = dataclasses.field(default_factory=dict)
     devices: int = 1
+    compared: Mapping[str, tuple[Builder, Builder]] = dataclasses.field(default_factory=dict)
     tolerance: float = 1e-4
     notes: str = ""
 
