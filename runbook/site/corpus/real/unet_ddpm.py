@@ -27,12 +27,17 @@ The fixes:
   blocks of 64 positions at 16x16 (at 4x4, one block of 16), and a gradient of its own that
   recomputes each score block, so the gradient keeps no ``256 x 256`` score matrix per image.
 - scan-residuals: `nn.remat` of each residual block and attention block.
+- grad-accumulation: the batch's timesteps and noise drawn whole, as the step draws them,
+  then the gradient summed over micro-batches of the images
+  (`runbook.cases.grad_accumulation.accumulate_gradients`) before one update. Each
+  micro-batch draws its own dropout masks, from a key of its own: masks drawn for a
+  micro-batch's shape are not rows of the whole batch's, so this fix is checked against the
+  step with dropout off in both (`RealProgram.compared`); at the authors' scale both keep
+  dropout at 0.1.
 
 No donation fix: score_sde's pmap already donates the carried state. No prng-temporaries
 fix: drawing the dropout masks and the noise with another generator ("rbg") gives other
-random numbers, so the results would not compare value by value. No grad-accumulation fix,
-for the same reason: a micro-batch's dropout masks, drawn for its own shape, are not the
-rows of the whole batch's masks, though the timesteps and noise could be drawn whole.
+random numbers, so the results would not compare value by value.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import jax.numpy as jnp
 import optax
 
 from runbook.cases.attention_scores import attention_blockwise
+from runbook.cases.grad_accumulation import accumulate_gradients
 
 from ._program import Builder, Built, RealProgram, register
 
@@ -65,6 +71,7 @@ SCALES: dict[str, dict[str, Any]] = {
 # test goes through the online softmax across blocks; the 4 x 4 middle takes one block.
 N_STEPS, BETA_MIN, BETA_MAX = 1000, 0.1, 20.0
 LR, WARMUP, GRAD_CLIP, EMA_RATE, DROPOUT = 2e-4, 5000, 1.0, 0.9999, 0.1
+ACCUMULATE = 8  # micro-batches in the grad-accumulation fix (16 images each at 128)
 
 
 def default_init(scale: float = 1.0) -> Any:
@@ -152,6 +159,7 @@ class DDPM(nn.Module):
     block: int
     attention: Callable[..., jax.Array] = attention_full
     remat: bool = False
+    dropout: float = DROPOUT
 
     @nn.compact
     def __call__(self, x: jax.Array, labels: jax.Array, train: bool = True) -> jax.Array:
@@ -164,7 +172,7 @@ class DDPM(nn.Module):
         # Named as flax names them unwrapped, so that the remat fix keeps the parameters' paths.
         def res(out_ch: int | None = None) -> Any:
             made["res"] += 1
-            return res_cls(out_ch, name=f"ResnetBlockDDPM_{made['res'] - 1}")
+            return res_cls(out_ch, self.dropout, name=f"ResnetBlockDDPM_{made['res'] - 1}")
 
         def attn() -> Any:
             made["attn"] += 1
@@ -209,6 +217,26 @@ def _vpsde() -> tuple[jax.Array, jax.Array]:
     return jnp.sqrt(cumprod), jnp.sqrt(1.0 - cumprod)
 
 
+def _perturb(data: jax.Array, labels: jax.Array, noise: jax.Array) -> jax.Array:
+    """The noised image at each example's timestep (vpsde, discrete)."""
+    sqrt_a, sqrt_1ma = _vpsde()
+    return (sqrt_a[labels][:, None, None, None] * data
+            + sqrt_1ma[labels][:, None, None, None] * noise)  # fmt: skip
+
+
+def _update(tx: optax.GradientTransformation, state: Any, grad: Any) -> Any:
+    """score_sde's update: the global-norm clip, Adam with warmup, and the EMA."""
+    lr = LR * jnp.minimum(state["step"] / WARMUP, 1.0)
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grad)))
+    grad = jax.tree.map(lambda g: g * GRAD_CLIP / jnp.maximum(norm, GRAD_CLIP), grad)
+    updates, opt_state = tx.update(grad, state["opt_state"])
+    params = jax.tree.map(lambda p, u: p - lr * u, state["params"], updates)
+    ema = jax.tree.map(lambda e, p: e * EMA_RATE + p * (1.0 - EMA_RATE),
+                       state["params_ema"], params)  # fmt: skip
+    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
+            "params_ema": ema}  # fmt: skip
+
+
 def _step_fn(model: DDPM, tx: optax.GradientTransformation) -> Callable[..., Any]:
     def step_fn(carry: tuple[jax.Array, Any], batch: dict[str, jax.Array]) -> Any:
         rng, state = carry
@@ -220,9 +248,7 @@ def _step_fn(model: DDPM, tx: optax.GradientTransformation) -> Callable[..., Any
             labels = jax.random.choice(k_t, N_STEPS, shape=(data.shape[0],))
             r, k_noise = jax.random.split(r)
             noise = jax.random.normal(k_noise, data.shape)
-            sqrt_a, sqrt_1ma = _vpsde()
-            perturbed = (sqrt_a[labels][:, None, None, None] * data
-                         + sqrt_1ma[labels][:, None, None, None] * noise)  # fmt: skip
+            perturbed = _perturb(data, labels, noise)
             _, k_drop = jax.random.split(r)
             score = cast(
                 jax.Array,
@@ -232,29 +258,64 @@ def _step_fn(model: DDPM, tx: optax.GradientTransformation) -> Callable[..., Any
             return jnp.mean(jnp.mean(losses, axis=-1))
 
         loss, grad = jax.value_and_grad(loss_fn)(state["params"])
-        lr = LR * jnp.minimum(state["step"] / WARMUP, 1.0)
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grad)))
-        grad = jax.tree.map(lambda g: g * GRAD_CLIP / jnp.maximum(norm, GRAD_CLIP), grad)
-        updates, opt_state = tx.update(grad, state["opt_state"])
-        params = jax.tree.map(lambda p, u: p - lr * u, state["params"], updates)
-        ema = jax.tree.map(lambda e, p: e * EMA_RATE + p * (1.0 - EMA_RATE),
-                           state["params_ema"], params)  # fmt: skip
-        new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
-               "params_ema": ema}  # fmt: skip
-        return (rng, new), loss
+        return (rng, _update(tx, state, grad)), loss
 
     return step_fn
 
 
-def _builder(blockwise: bool = False, remat: bool = False) -> Builder:
+def _accumulated_step_fn(
+    model: DDPM, tx: optax.GradientTransformation, micro_batches: int
+) -> Callable[..., Any]:
+    """The grad-accumulation fix: the timesteps and noise drawn whole, as `_step_fn` draws
+    them, then the gradient summed over `micro_batches` parts of the images, each with a
+    dropout key of its own."""
+
+    def step_fn(carry: tuple[jax.Array, Any], batch: dict[str, jax.Array]) -> Any:
+        rng, state = carry
+        rng, step_rng = jax.random.split(rng)
+        data = batch["image"]
+        r, k_t = jax.random.split(step_rng)
+        labels = jax.random.choice(k_t, N_STEPS, shape=(data.shape[0],))
+        r, k_noise = jax.random.split(r)
+        noise = jax.random.normal(k_noise, data.shape)
+        _, k_drop = jax.random.split(r)
+        # One dropout key per micro-batch: each part receives its own as a row of one.
+        k_drops = jax.random.split(k_drop, micro_batches)
+
+        def loss_fn(params: Any, part: tuple[jax.Array, ...]) -> jax.Array:
+            x, t, eps, key = part
+            score = cast(
+                jax.Array,
+                model.apply({"params": params}, _perturb(x, t, eps), t,
+                            rngs={"dropout": key[0]}),
+            )  # fmt: skip
+            return jnp.mean(jnp.mean(jnp.square(score - eps).reshape(x.shape[0], -1), axis=-1))
+
+        loss, grad = accumulate_gradients(
+            loss_fn, state["params"], (data, labels, noise, k_drops), micro_batches
+        )
+        return (rng, _update(tx, state, grad)), loss
+
+    return step_fn
+
+
+def _builder(
+    blockwise: bool = False, remat: bool = False, accumulate: bool = False,
+    dropout: float = DROPOUT,
+) -> Builder:  # fmt: skip
     def build(scale: str, concrete: bool) -> Built:
         s = SCALES[scale]
         model = DDPM(
             s["nf"], s["ch_mult"], s["blocks"], s["attn"], s["block"],
-            attention_blocks if blockwise else attention_full, remat,
+            attention_blocks if blockwise else attention_full, remat, dropout,
         )  # fmt: skip
         tx = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
-        step = jax.jit(_step_fn(model, tx), donate_argnums=(0,))
+        step_fn = (
+            _accumulated_step_fn(model, tx, min(ACCUMULATE, s["batch"]))
+            if accumulate
+            else _step_fn(model, tx)
+        )
+        step = jax.jit(step_fn, donate_argnums=(0,))
         image = jax.ShapeDtypeStruct((s["batch"], s["image"], s["image"], 3), jnp.float32)
         labels = jax.ShapeDtypeStruct((s["batch"],), jnp.int32)
         rng = jax.random.PRNGKey(42)
@@ -294,6 +355,10 @@ PROGRAM = register(
         fixes={
             "attention-scores": _builder(blockwise=True),
             "scan-residuals": _builder(remat=True),
+            "grad-accumulation": _builder(accumulate=True),
+        },
+        compared={
+            "grad-accumulation": (_builder(dropout=0.0), _builder(accumulate=True, dropout=0.0))
         },
         tolerance=1e-4,
         notes="one device, one step (score_sde pmaps and scans 5 steps); data abstract",
