@@ -394,6 +394,12 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     kept = a.diagnose_only or a.fixes is not None  # rows that must be in the file already
     names = a.programs or [p.name for p in real.programs()]
+    carried = {case for name in names for case in real.get(name).fixes}
+    if a.fixes is not None and not set(a.fixes) <= carried:
+        parser.error(
+            f"no program chosen carries a fix for {', '.join(sorted(set(a.fixes) - carried))}; "
+            f"they carry: {', '.join(sorted(carried))}"
+        )
     old = json.loads(a.out.read_text()) if a.out.exists() else {"rows": []}
     rows = {(r["program"], r["target"], release(r)): r for r in old["rows"]}
     releases = dict(old.get("releases", {}))
