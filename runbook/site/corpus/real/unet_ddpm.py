@@ -217,6 +217,20 @@ def _vpsde() -> tuple[jax.Array, jax.Array]:
     return jnp.sqrt(cumprod), jnp.sqrt(1.0 - cumprod)
 
 
+def _draws(step_rng: jax.Array, data: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The step's random numbers for the whole batch, in its order: each image's timestep
+    and noise, and the key that the dropout key is split from next."""
+    r, k_t = jax.random.split(step_rng)
+    labels = jax.random.choice(k_t, N_STEPS, shape=(data.shape[0],))
+    r, k_noise = jax.random.split(r)
+    return labels, jax.random.normal(k_noise, data.shape), r
+
+
+def _loss(score: jax.Array, noise: jax.Array) -> jax.Array:
+    """The mean over images of each image's mean squared error of the predicted noise."""
+    return jnp.mean(jnp.mean(jnp.square(score - noise).reshape(noise.shape[0], -1), axis=-1))
+
+
 def _perturb(data: jax.Array, labels: jax.Array, noise: jax.Array) -> jax.Array:
     """The noised image at each example's timestep (vpsde, discrete)."""
     sqrt_a, sqrt_1ma = _vpsde()
@@ -244,18 +258,14 @@ def _step_fn(model: DDPM, tx: optax.GradientTransformation) -> Callable[..., Any
 
         def loss_fn(params: Any) -> jax.Array:
             data = batch["image"]
-            r, k_t = jax.random.split(step_rng)
-            labels = jax.random.choice(k_t, N_STEPS, shape=(data.shape[0],))
-            r, k_noise = jax.random.split(r)
-            noise = jax.random.normal(k_noise, data.shape)
+            labels, noise, r = _draws(step_rng, data)
             perturbed = _perturb(data, labels, noise)
             _, k_drop = jax.random.split(r)
             score = cast(
                 jax.Array,
                 model.apply({"params": params}, perturbed, labels, rngs={"dropout": k_drop}),
             )
-            losses = jnp.square(score - noise).reshape(data.shape[0], -1)
-            return jnp.mean(jnp.mean(losses, axis=-1))
+            return _loss(score, noise)
 
         loss, grad = jax.value_and_grad(loss_fn)(state["params"])
         return (rng, _update(tx, state, grad)), loss
@@ -274,10 +284,7 @@ def _accumulated_step_fn(
         rng, state = carry
         rng, step_rng = jax.random.split(rng)
         data = batch["image"]
-        r, k_t = jax.random.split(step_rng)
-        labels = jax.random.choice(k_t, N_STEPS, shape=(data.shape[0],))
-        r, k_noise = jax.random.split(r)
-        noise = jax.random.normal(k_noise, data.shape)
+        labels, noise, r = _draws(step_rng, data)
         _, k_drop = jax.random.split(r)
         # One dropout key per micro-batch: each part receives its own as a row of one.
         k_drops = jax.random.split(k_drop, micro_batches)
@@ -289,7 +296,7 @@ def _accumulated_step_fn(
                 model.apply({"params": params}, _perturb(x, t, eps), t,
                             rngs={"dropout": key[0]}),
             )  # fmt: skip
-            return jnp.mean(jnp.mean(jnp.square(score - eps).reshape(x.shape[0], -1), axis=-1))
+            return _loss(score, eps)
 
         loss, grad = accumulate_gradients(
             loss_fn, state["params"], (data, labels, noise, k_drops), micro_batches
