@@ -50,6 +50,16 @@ THRESHOLD = 0.05  # a fix saving at least this share of the total shows its mech
 TARGETS = ("cpu", "h100", "v5e")
 
 
+def _compiler(target: str) -> tuple[Any, dict[str, Any]]:
+    """The `Target` to compile for (None: this process's CPU) and the compiler options
+    every compile of a row is made with (the CPU's accounting)."""
+    from runbook import _targets
+    from runbook._program import cpu_accounting_options
+
+    t = None if target == "cpu" else _targets.require(target)
+    return t, (cpu_accounting_options() if t is None else {})
+
+
 def evaluate(name: str, target: str, measured: dict[str, Any] | None = None) -> dict[str, Any]:
     """One program on one target (``"cpu"``: this process's backend): its row. Given its
     row `measured` before, the fixes' figures are kept from it (see the module's help)."""
@@ -57,12 +67,10 @@ def evaluate(name: str, target: str, measured: dict[str, Any] | None = None) -> 
     from runbook._diagnose import diagnose
     from runbook._errors import DoesNotFitError
     from runbook._measure import compile_fn
-    from runbook._program import cpu_accounting_options
     from runbook.site.corpus import real
 
     program = real.get(name)
-    t = None if target == "cpu" else _targets.require(target)
-    options = cpu_accounting_options() if t is None else {}
+    t, options = _compiler(target)
     row: dict[str, Any] = {"program": name, "target": target, "jax": jax.__version__}
     with _targets.compiling_for(t):  # meshes built on the target's devices
         fn, args = program.build("authors", False)
@@ -125,12 +133,10 @@ def refix(name: str, target: str, measured: dict[str, Any], cases: list[str]) ->
     diagnosis kept; a bare compile first checks that the program compiles to the row's
     total."""
     from runbook import _targets
-    from runbook._program import cpu_accounting_options
     from runbook.site.corpus import real
 
     program = real.get(name)
-    t = None if target == "cpu" else _targets.require(target)
-    options = cpu_accounting_options() if t is None else {}
+    t, options = _compiler(target)
     with _targets.compiling_for(t):
         bare = _fix(program.build("authors", False), 0, t, options)
         if bare.get("total") != measured["total"]:
@@ -394,12 +400,14 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     kept = a.diagnose_only or a.fixes is not None  # rows that must be in the file already
     names = a.programs or [p.name for p in real.programs()]
-    carried = {case for name in names for case in real.get(name).fixes}
-    if a.fixes is not None and not set(a.fixes) <= carried:
-        parser.error(
-            f"no program chosen carries a fix for {', '.join(sorted(set(a.fixes) - carried))}; "
-            f"they carry: {', '.join(sorted(carried))}"
-        )
+    if a.fixes is not None:
+        carried = {case for name in names for case in real.get(name).fixes}
+        if not set(a.fixes) <= carried:
+            parser.error(
+                f"no program chosen carries a fix for "
+                f"{', '.join(sorted(set(a.fixes) - carried))}; they carry: "
+                f"{', '.join(sorted(carried))}"
+            )
     old = json.loads(a.out.read_text()) if a.out.exists() else {"rows": []}
     rows = {(r["program"], r["target"], release(r)): r for r in old["rows"]}
     releases = dict(old.get("releases", {}))
@@ -410,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             measured = rows.get((name, target, jax.__version__)) if kept else None
             if kept and (measured is None or "error" in measured):
-                print(f"  no measured row to diagnose again: {name} on {target} skipped",
+                print(f"  no measured row to keep: {name} on {target} skipped",
                       file=sys.stderr, flush=True)  # fmt: skip
                 continue
             try:
