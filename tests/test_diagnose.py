@@ -1152,3 +1152,46 @@ def test_diagnosis_lists_the_memory_live_at_the_schedules_peak():
     assert "Live at the peak" in found._repr_html_()
     assert runbook.Diagnosis.from_record(found.to_record()).at_peak == found.at_peak
     assert json.loads(json.dumps(found.to_json()))["peak"]["bytes"] == found.peak
+
+
+# A GPU program's convolution is a cuDNN library call: scores (a dot) go through one, and the
+# broadcast it adds (a time embedding) is written out whole for it.
+_CUDNN_CONV = """HloModule m, entry_computation_layout={(f32[64,64]{1,0}, f32[64,64]{1,0}, f32[64]{0})->f32[64,64]{1,0}}
+
+%wrapped (p: f32[64]) -> f32[64,64] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %b = f32[64,64]{1,0} broadcast(%p), dimensions={0}
+}
+
+ENTRY %main (q: f32[64,64], k: f32[64,64], t: f32[64]) -> f32[64,64] {
+  %q = f32[64,64]{1,0} parameter(0)
+  %k = f32[64,64]{1,0} parameter(1)
+  %t = f32[64]{0} parameter(2)
+  %s = f32[64,64]{1,0} dot(%q, %k), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %side = f32[64,64]{1,0} fusion(%t), kind=kLoop, calls=%wrapped
+  %conv = (f32[64,64]{1,0}, u8[0]{0}) custom-call(%s, %side), custom_call_target="__cudnn$convBiasActivationForward"
+  %h = f32[64,64]{1,0} get-tuple-element(%conv), index=0
+  ROOT %e = f32[64,64]{1,0} exponential(%h)
+}
+"""
+
+
+@pytest.mark.parametrize(("target", "multiplies"), [("__cudnn$convBiasActivationForward", True),
+                                                    ("SomeLibraryCall", False)])  # fmt: skip
+def test_a_cudnn_convolution_multiplies_and_its_broadcast_addend_is_the_compilers(
+    target, multiplies
+):
+    from runbook._hlo import parse_module
+    from runbook.detectors._common import is_product, made_from
+    from runbook.detectors.pmap_loop import _library_addend
+
+    program = object.__new__(Program)  # the module alone: what these questions read
+    program.module = parse_module(_CUDNN_CONV.replace("__cudnn$convBiasActivationForward", target))
+    program._shared = {}
+    conv, exp = program.module.get("conv"), program.module.get("e")
+    assert is_product(conv) is multiplies
+    # An exponential of a convolution of the scores is no softmax of them: the walk back
+    # from it stops at the convolution, as at XLA's own; through any other call it goes on.
+    assert made_from(program, exp, {"s"}) is not multiplies
+    assert _library_addend(program, program.module.get("side"))
+    assert not _library_addend(program, program.module.get("s"))

@@ -131,10 +131,16 @@ def moved_input(program: Program, inst: Instruction | None) -> Instruction | Non
     return None
 
 
+# GPU library calls that multiply: cuBLAS's gemms, and cuDNN's convolutions (forward, and
+# the gradient's, on input and on filter), which a GPU compiler calls for every convolution.
+_LIBRARY_PRODUCTS = ("gemm", "matmul", "__cudnn$conv")
+
+
 def is_product(inst: Instruction) -> bool:
-    """A matrix product or a convolution: XLA's own, or a GPU library call (a cuBLAS gemm)."""
+    """A matrix product or a convolution: XLA's own, or a GPU library call (a cuBLAS gemm,
+    a cuDNN convolution)."""
     return inst.opcode in PRODUCTS or (
-        inst.opcode == "custom-call" and any(k in inst.attributes for k in ("gemm", "matmul"))
+        inst.opcode == "custom-call" and any(k in inst.attributes for k in _LIBRARY_PRODUCTS)
     )
 
 
@@ -286,7 +292,8 @@ def made_from(program: Program, inst: Instruction, products: set[str], limit: in
     """Whether `inst` is computed from one of `products` by operations that multiply no
     further (through fusions' parameters): a softmax of those products themselves (of
     logits, not of attention scores made from a projection by a second product). A fusion
-    that holds a product (a GPU compiler wraps each matrix product in one) stands for it."""
+    that holds a product (a GPU compiler wraps each matrix product in one) stands for it; a
+    library call that multiplies (a cuDNN convolution) ends the walk as a product does."""
     fused = program.shared(_multiplying_fusions)
     todo, seen = [inst], set[str]()
     while todo and len(seen) < limit:
@@ -297,7 +304,7 @@ def made_from(program: Program, inst: Instruction, products: set[str], limit: in
         if current.name in seen:
             continue
         seen.add(current.name)
-        if current.opcode in PRODUCTS or inside:
+        if is_product(current) or inside:
             continue
         todo += [i for n in current.operands if (i := program.module.get(n)) is not None]
     return False

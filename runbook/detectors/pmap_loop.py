@@ -14,6 +14,8 @@ reads (each layer's activations): a rolled loop stacks them one per step. And so
 random bits (one dropout draw per layer), which prng-temporaries reads. And so are the
 float32 copies XLA:CPU makes of each bfloat16 operand it multiplies (each layer's weights):
 a GPU or TPU compiler keeps them in bfloat16, and the diagnosis's caveat counts them.
+And so are the broadcasts a GPU compiler writes out for a cuDNN convolution to add (a
+time embedding added after each block's convolution): the compiler's operands for the call.
 
 Replicated inputs. ``jax.pmap(..., in_axes=None)``, or a `NamedSharding` with an empty
 `PartitionSpec`, puts the whole array on every device. Often intended (parameters in data
@@ -26,7 +28,7 @@ from collections import defaultdict
 
 import jax
 
-from .._hlo import Value
+from .._hlo import Instruction, Value
 from .._program import Finding, NearMiss, Program, finding
 from .._render import fmt_bytes
 from ._common import kept_for_backward
@@ -51,8 +53,9 @@ def rule() -> str:
     return (
         f"same-shape temporaries from one source line, at least {MIN_REPEATS} of them computed "
         f"from none of the others and at least {MIN_REPEATS} live at once, all such lines "
-        f"together at least {MIN_SHARE:.0%} of the program's total (values inside loops, and "
-        "values that each feed outputs no other of them feeds, are left out); or inputs whose "
+        f"together at least {MIN_SHARE:.0%} of the program's total (values inside loops, "
+        "values that each feed outputs no other of them feeds, and broadcasts only a GPU "
+        "library call reads, are left out); or inputs whose "
         "sharding is the whole array on every device of a multi-device program, together at "
         f"least {MIN_SHARE:.0%} of its total, informational unless at least {LARGE:.0%} of the "
         "device's usable memory (a target's, or the device's own limit)"
@@ -142,6 +145,21 @@ def _per_output(program: Program, names: set[str], outputs: dict[str, set[int]])
     return True
 
 
+def _library_addend(program: Program, inst: Instruction) -> bool:
+    """Whether `inst` is a broadcast that only library calls read: a GPU compiler that folds
+    ``h + dense(t)[:, None, None]`` into a cuDNN convolution writes the broadcast out whole as
+    the call's addend, once per block: an operand the compiler made for that call, not a
+    value the program's code computes."""
+    root = program.module.root(inst.calls[0]) if inst.opcode == "fusion" and inst.calls else inst
+    users = program.module.users.get(inst.name, ())
+    return (
+        root is not None
+        and root.opcode == "broadcast"
+        and bool(users)
+        and all(u.opcode == "custom-call" for u in users)
+    )
+
+
 def _repeats(program: Program) -> list[_Group]:
     """Each line's same-shape temporaries repeated at least twice, at least two of them
     computed independently and live at once, and not returned one by one: (shape, source
@@ -161,6 +179,8 @@ def _repeats(program: Program) -> list[_Group]:
             continue  # XLA:CPU's float32 copies of bfloat16 operands: the caveat's, CPU only
         if (v.instruction, v.index) in computed_whole:
             continue  # computed whole on every device: splitting the batch comes first
+        if _library_addend(program, inst):
+            continue  # a GPU library call's broadcast operand: the compiler's, per call
         _, source = program.describe(inst)
         if source:
             groups[(v.shape, source)].append(v)
