@@ -292,6 +292,11 @@ def _tpu_child(clear: str, hold: float = 0) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+def _stderr_of(child: subprocess.Popen[str]) -> str:
+    """What `child` wrote to stderr, once it has exited."""
+    return child.communicate(timeout=300)[1]
+
+
 def test_tpu_compiles_need_none_of_the_quieting_variables():
     out, err = _tpu_child("_TPU_QUIET").communicate(timeout=300)
     assert out.strip().splitlines()[-1] == "4096", err[-500:]
@@ -303,7 +308,12 @@ def test_tpu_compiles_side_by_side_need_the_shared_load_variable():
     holder = _tpu_child("_TPU_SHARED", hold=60)
     try:
         assert holder.stdout is not None
-        assert holder.stdout.readline().strip() == "4096"
+        line = holder.stdout.readline().strip()
+        if not line and "libtpu multi-process lockfile" in _stderr_of(holder):
+            # The holder, loading without the variable, was itself locked out: another
+            # process on this machine (a build, a second test run) holds libtpu already.
+            pytest.skip("another process on this machine holds libtpu")
+        assert line == "4096", _stderr_of(holder)[-500:]
         _, refused = _tpu_child("_TPU_SHARED").communicate(timeout=300)
         assert "libtpu multi-process lockfile" in refused
         allowed, err = _tpu_child("").communicate(timeout=300)
