@@ -37,6 +37,9 @@ _CALLS = re.compile(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
 _CALLED = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _INDEX = re.compile(r"\bindex=(\d+)")
+# An op name of the calls a program was traced in alone: jit(f), pmap(f), shard_map.
+_CALL = r"(?:(?:jit|pmap)\([^/]*\)|shard_map)"
+_CALLS_ONLY = re.compile(rf"{_CALL}(?:/{_CALL})*")
 # Read on every instruction line of a dump: compiled once.
 _OPCODE = re.compile(r"([\w\-]+)\(")
 _COMMENT = re.compile(r"/\*.*?\*/")
@@ -302,21 +305,50 @@ class Module:
         found = self.get(inst.operands[k])
         return self.outside(found) if found is not None else None
 
-    def describe(self, inst: Instruction) -> tuple[str, str]:
+    def describe(self, inst: Instruction, *, past_calls: bool = False) -> tuple[str, str]:
         """The JAX op name and source line of `inst`, or, where the compiler made it and
         recorded none (a tuple element of a multi-output fusion, a copy, a layout change;
         most of a TPU program's buffers), of the nearest instruction it is made from that
-        has them: into a fusion's root, through tuple elements, back through moves."""
+        has them: into a fusion's root, through tuple elements, back through moves.
+
+        With `past_calls`, what only names the call the program was traced in (an op name
+        of `jit`, `pmap` and `shard_map` alone, such as ``jit(step)/jit(step)``, with the
+        jit's own call line) is passed over. Where nothing `inst` is made from names an
+        operation (the zeros a loop's stacked outputs start from, and their copies, carry
+        the call's name alone), the nearest instruction that uses it and names one does
+        (the loop); only where none does, the call."""
         op, source = inst.op_name, inst.source
+        call = ("", "")
         todo, seen = [inst], set[str]()
+        if past_calls and names_a_call(op):
+            op, source = "", ""
         while todo and (not op or not source) and len(seen) < 64:
             current = todo.pop(0)
             if current.name in seen:
                 continue
             seen.add(current.name)
-            op, source = op or current.op_name, source or current.source
+            if past_calls and names_a_call(current.op_name):
+                call = call if call[0] else (current.op_name, current.source)
+            else:
+                op, source = op or current.op_name, source or current.source
             todo += self._made_from(current)
-        return op, source
+        if call[0] and not op:
+            op, source = self._used_by(inst)
+        return (op, source) if op else (call[0], source or call[1])
+
+    def _used_by(self, inst: Instruction) -> tuple[str, str]:
+        """The op name and source line of the nearest instruction that uses `inst`, directly
+        or through others, and names an operation (`names_a_call`); empty where none does."""
+        todo, seen = list(self.users.get(inst.name, ())), {inst.name}
+        while todo and len(seen) < 64:
+            current = todo.pop(0)
+            if current.name in seen:
+                continue
+            seen.add(current.name)
+            if current.op_name and not names_a_call(current.op_name):
+                return current.op_name, current.source
+            todo += self.users.get(current.name, ())
+        return "", ""
 
     def _made_from(self, inst: Instruction) -> list[Instruction]:
         """What `inst` is made from, for `describe`: a called computation's root (or its
@@ -526,6 +558,12 @@ class Value:
         return self.allocation, self.offset, self.size
 
 
+def names_a_call(op: str) -> bool:
+    """Whether JAX op name `op` names only the calls a program was traced in (jit, pmap,
+    shard_map), no operation: ``jit(step)/jit(step)``, ``jit(_fun)/shard_map``."""
+    return bool(_CALLS_ONLY.fullmatch(op))
+
+
 def parse_assignment(text: str) -> list[Value]:
     """Every value of a dumped buffer assignment, in the order XLA lists them (phis marked)."""
     values: list[Value] = []
@@ -611,7 +649,7 @@ class Dump:
         found = []
         for v in self.values:
             inst = self.module.get(v.instruction)
-            op, source = self.module.describe(inst) if inst is not None else ("", "")
+            op, source = self.module.describe(inst, past_calls=True) if inst else ("", "")
             name = f"{v.instruction} ({inst.opcode})" if inst is not None else v.instruction
             found.append(Buffer(v.size, v.shape, v.kind, name, op, source))
         return sorted(found, key=lambda b: b.size, reverse=True)

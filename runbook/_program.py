@@ -464,8 +464,9 @@ class Program:
         return self.module.describe(inst)
 
     def buffer(self, inst: Instruction, value: Value | None = None) -> Buffer:
-        """Evidence for `inst` (its buffer-assignment value where it has one)."""
-        op, source = self.describe(inst)
+        """Evidence for `inst` (its buffer-assignment value where it has one), named by the
+        operation that made it, past the calls it was traced in (`Module.describe`)."""
+        op, source = self.module.describe(inst, past_calls=True)
         if value is None:
             value = next((v for v in self.values_of(inst.name)), None)
         size = value.size if value else inst.shape.nbytes

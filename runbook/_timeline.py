@@ -477,7 +477,7 @@ def of_program(program: Program) -> Timeline:
     inst = program.module.get(program.schedule[position])
     made = ""
     if inst is not None:
-        op, source = program.describe(inst)
+        op, source = program.module.describe(inst, past_calls=True)
         made = f"{inst.name} ({inst.opcode})" + "".join(f", {x}" for x in (op, source) if x)
     return Timeline(
         report=program.report,

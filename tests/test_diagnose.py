@@ -1195,3 +1195,48 @@ def test_a_cudnn_convolution_multiplies_and_its_broadcast_addend_is_the_compiler
     assert made_from(program, exp, {"s"}) is not multiplies
     assert _library_addend(program, program.module.get("side"))
     assert not _library_addend(program, program.module.get("s"))
+
+
+# A scan's stacked outputs start as zeros that JAX's lowering makes, and XLA copies, at the
+# top of the program: they carry the jit's name and call line alone, which name no operation.
+_CALL_ONLY = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[4,8]{1,0}}
+
+%body (c: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  ROOT %c = (s32[], f32[4,8]{1,0}) parameter(0)
+}
+
+%cond (c: (s32[], f32[4,8])) -> pred[] {
+  %c = (s32[], f32[4,8]{1,0}) parameter(0)
+  ROOT %t = pred[] constant(false)
+}
+
+ENTRY %main (x: f32[8]) -> f32[4,8] {
+  %x = f32[8]{0} parameter(0)
+  %zero = f32[] constant(0), metadata={op_name="jit(step)/jit(step)" source_file="eqx/_jit.py" source_line=263}
+  %zeros = f32[4,8]{1,0} broadcast(%zero), dimensions={}, metadata={op_name="jit(step)/jit(step)" source_file="eqx/_jit.py" source_line=263}
+  %copy = f32[4,8]{1,0} copy(%zeros)
+  %i = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0}) tuple(%i, %copy)
+  %loop = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(step)/jit(step)/while" source_file="model.py" source_line=88}
+  %alone = f32[4,8]{1,0} broadcast(%zero), dimensions={}, metadata={op_name="jit(step)/jit(step)" source_file="eqx/_jit.py" source_line=263}
+  %sum = f32[4,8]{1,0} add(%alone, %alone), metadata={op_name="pmap(step)/shard_map" source_file="eqx/_jit.py" source_line=263}
+  ROOT %out = f32[4,8]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_buffer_named_by_its_call_alone_is_named_by_the_operation_that_uses_it():
+    from runbook._hlo import names_a_call, parse_module
+
+    module = parse_module(_CALL_ONLY)
+    loop = ("jit(step)/jit(step)/while", "model.py:88")
+    call = ("jit(step)/jit(step)", "eqx/_jit.py:263")
+    assert all(map(names_a_call, ["jit(step)/jit(step)", "jit(_fun)/shard_map", "pmap(f)"]))
+    assert not any(map(names_a_call, ["jit(step)/while", "jit(step)/jvp(f)/jit(relu)", ""]))
+    for name in ("copy", "zeros"):  # the copy made from the zeros; the zeros themselves
+        assert module.describe(module.get(name), past_calls=True) == loop
+        assert module.describe(module.get(name)) == call  # what the detectors read
+    # Nothing that uses it names an operation: the call, as before.
+    assert module.describe(module.get("alone"), past_calls=True) == call
+    # An input has no name of its own: it is not named after what reads it.
+    assert module.describe(module.get("x"), past_calls=True) == ("", "")

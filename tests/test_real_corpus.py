@@ -167,6 +167,26 @@ def test_an_instruction_with_no_op_is_judged_whole_by_what_it_moves():
     assert not resharding._whole_on_each_device(program, value("fusion.4"))  # an op of its own
 
 
+def test_the_mambas_scan_outputs_are_named_by_their_loop_not_by_the_jit():
+    # equinox's filter_jit traces the step inside a second jit: the zeros each scan's stacked
+    # outputs start from, and XLA's copies of them, carry that call's name and line alone.
+    from runbook._hlo import names_a_call
+    from runbook._program import Program
+    from runbook._timeline import of_program
+
+    fn, args = real.get("eqx-mamba").build("tiny", False)
+    program = Program.compile(fn, *args)
+    at_peak = of_program(program).at_peak
+    called = [
+        b for b in at_peak
+        if names_a_call(program.describe(program.module.get(b.instruction.split()[0].split("{")[0]))[0])
+    ]  # fmt: skip
+    assert called  # what the detectors read: the call, for these buffers
+    assert not [b for b in at_peak if names_a_call(b.op)]
+    assert {b.op.rsplit("/", 1)[-1] for b in called} == {"while"}
+    assert all("eqx_mamba.py" in b.source for b in called)
+
+
 def test_a_fix_the_target_refuses_is_read_from_its_buffer_assignment(monkeypatch):
     # A program a v5e refuses is diagnosed from the assignment its compiler wrote; its fixes,
     # refused too, are compared with it the same way, not dropped.
