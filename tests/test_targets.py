@@ -309,11 +309,12 @@ def test_tpu_compiles_side_by_side_need_the_shared_load_variable():
     try:
         assert holder.stdout is not None
         line = holder.stdout.readline().strip()
-        if not line and "libtpu multi-process lockfile" in _stderr_of(holder):
+        err = "" if line else _stderr_of(holder)  # it printed nothing: it has exited
+        if "libtpu multi-process lockfile" in err:
             # The holder, loading without the variable, was itself locked out: another
             # process on this machine (a build, a second test run) holds libtpu already.
             pytest.skip("another process on this machine holds libtpu")
-        assert line == "4096", _stderr_of(holder)[-500:]
+        assert line == "4096", err[-500:]
         _, refused = _tpu_child("_TPU_SHARED").communicate(timeout=300)
         assert "libtpu multi-process lockfile" in refused
         allowed, err = _tpu_child("").communicate(timeout=300)
