@@ -292,11 +292,6 @@ def _tpu_child(clear: str, hold: float = 0) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def _stderr_of(child: subprocess.Popen[str]) -> str:
-    """What `child` wrote to stderr, once it has exited."""
-    return child.communicate(timeout=300)[1]
-
-
 def test_tpu_compiles_need_none_of_the_quieting_variables():
     out, err = _tpu_child("_TPU_QUIET").communicate(timeout=300)
     assert out.strip().splitlines()[-1] == "4096", err[-500:]
@@ -309,7 +304,7 @@ def test_tpu_compiles_side_by_side_need_the_shared_load_variable():
     try:
         assert holder.stdout is not None
         line = holder.stdout.readline().strip()
-        err = "" if line else _stderr_of(holder)  # it printed nothing: it has exited
+        err = "" if line else holder.communicate(timeout=300)[1]  # it printed nothing: exited
         if "libtpu multi-process lockfile" in err:
             # The holder, loading without the variable, was itself locked out: another
             # process on this machine (a build, a second test run) holds libtpu already.
