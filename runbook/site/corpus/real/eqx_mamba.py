@@ -13,8 +13,12 @@ width 4, delta rank ``ceil(64 / 16) = 4``, float32, ``optax.adamw(3e-4)``. As in
 example, each block's state has the inner width as its size (its ``MambaBlock`` passes
 ``d_state=d_inner``), so every scan step carries a 128 x 128 state per example.
 
-Fixes: scan-residuals checkpoints each block's selective scan (its decay and drive arrays
-recomputed in the backward pass) and the scan's body; donation donates the model and the
+Fixes: scan-residuals makes each step's decay and drive inside the scan's body and
+checkpoints the body (`selective_scan`'s `remat`), so that the backward pass keeps per step
+only the step's inputs and carry. Until 2026-12-05 the fix checkpointed the scan as
+written, its decay and drive arrays made before it: jax 0.10.2's XLA:CPU then kept the
+forward pass's drive arrays and recomputed every layer's decay at once, and the fix freed
+little there. donation donates the model and the
 optimizer state (``eqx.filter_jit(..., donate="all")``). The head is 65 wide: no
 vocab-logits fix.
 
@@ -76,8 +80,25 @@ def selective_scan(
     remat: bool = False,
 ) -> jax.Array:
     """The recurrence ``x_t = exp(delta_t A) x_{t-1} + delta_t B_t u_t``, ``y_t = x_t C_t``
-    over one sequence ``(length, inner)``; `remat` checkpoints the scan's body."""
+    over one sequence ``(length, inner)``.
+
+    As written, the decay ``exp(delta_t A)`` and the drive ``delta_t B_t u_t`` of every step
+    are made before the scan, each ``(length, inner, state)``, and kept for the backward
+    pass with the states the scan stacks. With `remat` (the fix), each step makes its own
+    inside a checkpointed body: the backward pass keeps the step's inputs and its carry, and
+    recomputes the rest one step at a time."""
     length, inner = u.shape
+    if remat:
+
+        def step(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+            dt, bt, ut, ct = xs
+            state = jnp.exp(dt[:, None] * a) * state + (dt * ut)[:, None] * bt[None, :]
+            return state, state @ ct
+
+        _, ys = jax.lax.scan(
+            jax.checkpoint(step), jnp.zeros((inner, a.shape[1])), (delta, b, u, c)
+        )
+        return ys + u * d
     decay = jnp.exp(jnp.einsum("ld,dn->ldn", delta, a))
     drive = jnp.einsum("ld,ln,ld->ldn", delta, b, u)
 
@@ -85,9 +106,7 @@ def selective_scan(
         state = decay[t] * state + drive[t]
         return state, state @ c[t]
 
-    _, ys = jax.lax.scan(
-        jax.checkpoint(body) if remat else body, jnp.zeros((inner, a.shape[1])), jnp.arange(length)
-    )
+    _, ys = jax.lax.scan(body, jnp.zeros((inner, a.shape[1])), jnp.arange(length))
     out: jax.Array = ys + u * d
     return out
 
@@ -114,10 +133,7 @@ class SSM(eqx.Module):
         projected = jax.vmap(self.input_proj)(x)
         delta, b, c = jnp.split(projected, [self.rank, self.rank + self.state], axis=-1)
         delta = jax.nn.softplus(jax.vmap(self.delta_proj)(delta))
-        scan = selective_scan
-        if self.remat:  # the fix: the scan's inputs kept, its decay and drive recomputed
-            scan = jax.checkpoint(functools.partial(selective_scan, remat=True))
-        return scan(x, delta, -jnp.exp(self.a_log), b, c, self.d)
+        return selective_scan(x, delta, -jnp.exp(self.a_log), b, c, self.d, self.remat)
 
 
 class MambaBlock(eqx.Module):
