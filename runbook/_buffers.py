@@ -13,8 +13,6 @@ import re
 
 _ALLOC = re.compile(r"^allocation \d+: size (\d+)(.*):$")
 _VALUE = re.compile(r"^ value: <\d+ ([^ >]+)(?: @[^>]*)?> \(size=(\d+),offset=\d+\): (\S+)")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)*?) ([\w\-]+)\(")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _FILE_NAME = re.compile(r'^(\d+) "(.*)"$')
 _FILE_LOC = re.compile(r"^(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)")
 _FRAME = re.compile(r"^(\d+) \{file_location_id=(\d+)")
@@ -136,54 +134,4 @@ def assignment_bytes(directory: pathlib.Path) -> dict[str, int]:
                 out["alias"] += size
         elif kind in ("output", "temp"):
             out[kind] += size
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Fusion:
-    """One fused kernel of a compiled program: what it reads and which operations it holds."""
-
-    name: str
-    shape: str
-    operands: tuple[str, ...]
-    ops: tuple[str, ...]  # the operations inside, in order of first appearance
-
-
-_ENTRY_FUSION = re.compile(
-    r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) fusion\(([^)]*)\).*calls=%?([\w.\-]+)"
-)
-
-
-def fusions(hlo: str) -> list[Fusion]:
-    """The fusions of a compiled program's entry computation (from ``compiled.as_text()``).
-
-    Shows where a compiler put an operation: the GPU compiler, for one, computes the
-    gather-grad index copy inside the scatter's kernel instead of in a buffer of its own.
-    """
-    bodies: dict[str, list[str]] = {}
-    entry: list[str] = []
-    current: list[str] | None = None
-    for line in hlo.splitlines():
-        if (c := _COMPUTATION.match(line)) is not None and "=" not in line.split("{")[0]:
-            current = entry if line.startswith("ENTRY") else bodies.setdefault(c[1], [])
-            continue
-        if current is not None and _INSTR.match(line) is not None:
-            current.append(line)
-
-    def ops(body: str, seen: frozenset[str] = frozenset()) -> list[str]:
-        found: list[str] = []
-        for line in bodies.get(body, []):
-            i = _INSTR.match(line)
-            assert i is not None
-            if i[3] not in ("parameter", "constant", "bitcast", "get-tuple-element", "tuple"):
-                found.append(i[3])
-            if (m := re.search(r"calls=%?([\w.\-]+)", line)) and m[1] not in seen:
-                found += ops(m[1], seen | {m[1]})
-        return list(dict.fromkeys(found))
-
-    out = []
-    for line in entry:
-        if (f := _ENTRY_FUSION.match(line)) is not None:
-            operands = tuple(o.strip().lstrip("%") for o in f[3].split(",") if o.strip())
-            out.append(Fusion(f[1], f[2].split("{")[0], operands, tuple(ops(f[4]))))
     return out

@@ -319,19 +319,15 @@ class Module:
         (the loop); only where none does, the call."""
         op, source = inst.op_name, inst.source
         call = ("", "")
-        todo, seen = [inst], set[str]()
         if past_calls and names_a_call(op):
             op, source = "", ""
-        while todo and (not op or not source) and len(seen) < 64:
-            current = todo.pop(0)
-            if current.name in seen:
-                continue
-            seen.add(current.name)
+        for current in _nearest(inst, self._made_from):
+            if op and source:
+                break
             if past_calls and names_a_call(current.op_name):
                 call = call if call[0] else (current.op_name, current.source)
             else:
                 op, source = op or current.op_name, source or current.source
-            todo += self._made_from(current)
         if call[0] and not op:
             op, source = self._used_by(inst)
         return (op, source) if op else (call[0], source or call[1])
@@ -339,15 +335,9 @@ class Module:
     def _used_by(self, inst: Instruction) -> tuple[str, str]:
         """The op name and source line of the nearest instruction that uses `inst`, directly
         or through others, and names an operation (`names_a_call`); empty where none does."""
-        todo, seen = list(self.users.get(inst.name, ())), {inst.name}
-        while todo and len(seen) < 64:
-            current = todo.pop(0)
-            if current.name in seen:
-                continue
-            seen.add(current.name)
-            if current.op_name and not names_a_call(current.op_name):
+        for current in _nearest(inst, lambda i: self.users.get(i.name, [])):
+            if current is not inst and current.op_name and not names_a_call(current.op_name):
                 return current.op_name, current.source
-            todo += self.users.get(current.name, ())
         return "", ""
 
     def _made_from(self, inst: Instruction) -> list[Instruction]:
@@ -424,6 +414,21 @@ class Module:
         return seen
 
 
+def _nearest(
+    start: Instruction, step: Callable[[Instruction], list[Instruction]], limit: int = 64
+) -> Iterator[Instruction]:
+    """`start`, then what `step` leads to from it, breadth first, each instruction once and
+    at most `limit` of them: the nearest first."""
+    todo, seen = [start], set[str]()
+    while todo and len(seen) < limit:
+        current = todo.pop(0)
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        yield current
+        todo += step(current)
+
+
 def parse_module(text: str) -> Module:
     """Parse the text XLA prints for an optimised module (``compiled.as_text()`` or a dump)."""
     frames = source_frames(text)
@@ -486,6 +491,52 @@ def parse_module(text: str) -> Module:
         )
     _restore_projections(computations)
     return Module(name, entry, computations, aliases)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """One fused kernel of a compiled program: what it reads and which operations it holds."""
+
+    name: str
+    shape: str
+    operands: tuple[str, ...]
+    ops: tuple[str, ...]  # the operations inside, in order of first appearance
+
+
+# What a fusion's body holds that is no operation of the kernel's own.
+_PLUMBING = ("parameter", "constant", "bitcast", "get-tuple-element", "tuple")
+
+
+def fusions(text: str) -> list[Fusion]:
+    """The fusions of a compiled program's entry computation (from ``compiled.as_text()``),
+    multi-output ones included.
+
+    Shows where a compiler put an operation: the GPU compiler, for one, computes the
+    gather-grad index copy inside the scatter's kernel instead of in a buffer of its own.
+    """
+    module = parse_module(text)
+
+    def ops(computation: str, seen: frozenset[str]) -> list[str]:
+        found: list[str] = []
+        for inst in module.computations.get(computation, []):
+            if inst.opcode not in _PLUMBING:
+                found.append(inst.opcode)
+            if inst.opcode == "fusion" and inst.calls and inst.calls[0] not in seen:
+                found += ops(inst.calls[0], seen | {inst.calls[0]})
+        return list(dict.fromkeys(found))
+
+    def shape(s: Shape) -> str:
+        return str(s) if s.is_array else f"({', '.join(map(shape, _elements(s)))})"
+
+    return [
+        Fusion(inst.name, shape(inst.shape), inst.operands, tuple(ops(inst.calls[0], frozenset())))
+        for inst in module.entry_instructions
+        if inst.opcode == "fusion" and inst.calls
+    ]
+
+
+def _elements(shape: Shape) -> list[Shape]:
+    return [Shape(e) for e in _tuple_elements(shape.text)]
 
 
 def _tuple_elements(shape: str) -> list[str]:
@@ -649,7 +700,9 @@ class Dump:
         found = []
         for v in self.values:
             inst = self.module.get(v.instruction)
-            op, source = self.module.describe(inst, past_calls=True) if inst else ("", "")
+            op, source = (
+                self.module.describe(inst, past_calls=True) if inst is not None else ("", "")
+            )
             name = f"{v.instruction} ({inst.opcode})" if inst is not None else v.instruction
             found.append(Buffer(v.size, v.shape, v.kind, name, op, source))
         return sorted(found, key=lambda b: b.size, reverse=True)

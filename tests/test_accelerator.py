@@ -99,3 +99,50 @@ def test_devices_to_fit_grows_until_each_share_fits(name):
     assert n is not None
     assert n > 1
     assert [c for c, _ in tried] == list(_accelerator.COUNTS[: len(tried)])
+
+
+_FUSED = """HloModule fused, entry_computation_layout={(f32[4]{0}, f32[4]{0})->(f32[4]{0}, f32[])}
+
+%fused_exp (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %exponential.1 = f32[4]{0} exponential(%p)
+}
+
+%max_reducer (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %maximum.1 = f32[] maximum(%a, %b)
+}
+
+%fused_outer (p0: f32[4], p1: f32[4]) -> (f32[4], f32[]) {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %inner = f32[4]{0} fusion(%p0), kind=kLoop, calls=%fused_exp
+  %add.1 = f32[4]{0} add(%inner, %p1)
+  %constant.1 = f32[] constant(0)
+  %reduce.1 = f32[] reduce(%add.1, %constant.1), dimensions={0}, to_apply=%max_reducer
+  ROOT %tuple.1 = (f32[4]{0}, f32[]) tuple(%add.1, %reduce.1)
+}
+
+ENTRY %main (x: f32[4], y: f32[4]) -> (f32[4], f32[]) {
+  %x = f32[4]{0} parameter(0)
+  %y = f32[4]{0} parameter(1)
+  %negate.1 = f32[4]{0} negate(%x)
+  ROOT %fusion = (f32[4]{0}, f32[]) fusion(%negate.1, /*index=1*/%y), kind=kLoop, calls=%fused_outer
+}
+"""
+
+
+def test_a_fusion_lists_what_it_reads_and_every_operation_inside():
+    # A multi-output fusion counts, an operand printed after an index comment is read by its
+    # name, a nested fusion's operations are the kernel's, and a reducer's are not listed.
+    from runbook._hlo import Fusion, fusions
+
+    assert fusions(_FUSED) == [
+        Fusion(
+            "fusion",
+            "(f32[4], f32[])",
+            ("negate.1", "y"),
+            ("fusion", "exponential", "add", "reduce"),
+        )
+    ]

@@ -347,7 +347,7 @@ def buffer_contrast(
 def fusion_table(fn: Any, *args: Any, where: Sequence[str | None] = (None, "h100")) -> Table:
     """The fused kernels of one program per compiler: what each reads and which operations
     it holds, the evidence of where a compiler put an intermediate."""
-    from .._buffers import fusions
+    from .._hlo import fusions
     from .._measure import compile_fn
 
     rows = []

@@ -95,18 +95,16 @@ def selective_scan(
             state = jnp.exp(dt[:, None] * a) * state + (dt * ut)[:, None] * bt[None, :]
             return state, state @ ct
 
-        _, ys = jax.lax.scan(
-            jax.checkpoint(step), jnp.zeros((inner, a.shape[1])), (delta, b, u, c)
-        )
-        return ys + u * d
-    decay = jnp.exp(jnp.einsum("ld,dn->ldn", delta, a))
-    drive = jnp.einsum("ld,ln,ld->ldn", delta, b, u)
+        _, ys = jax.lax.scan(jax.checkpoint(step), jnp.zeros((inner, a.shape[1])), (delta, b, u, c))
+    else:
+        decay = jnp.exp(jnp.einsum("ld,dn->ldn", delta, a))
+        drive = jnp.einsum("ld,ln,ld->ldn", delta, b, u)
 
-    def body(state: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-        state = decay[t] * state + drive[t]
-        return state, state @ c[t]
+        def body(state: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+            state = decay[t] * state + drive[t]
+            return state, state @ c[t]
 
-    _, ys = jax.lax.scan(body, jnp.zeros((inner, a.shape[1])), jnp.arange(length))
+        _, ys = jax.lax.scan(body, jnp.zeros((inner, a.shape[1])), jnp.arange(length))
     out: jax.Array = ys + u * d
     return out
 
