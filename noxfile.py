@@ -255,7 +255,8 @@ def real_corpus(session: nox.Session, release: str) -> None:
     v5e targets, with each program's fixes measured, at one end of the tested releases
     (`nox -s "real-corpus(newest)"`): docs/_data/corpus/real.json, one row per program,
     target and release. Options after --: --targets, --programs, --diagnose-only, --fixes (see the
-    module's help)."""
+    module's help); --watch instead runs the single-device programs' training loops under
+    runbook.watch: docs/_data/corpus/watched.json."""
     session.install(
         "-e.[targets]", f"jax=={release}", f"jaxlib=={release}", "equinox", "flax"
     )  # fmt: skip

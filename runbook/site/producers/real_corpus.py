@@ -4,6 +4,8 @@
                                   [--targets cpu h100 v5e] [--programs NAME ...] [--out FILE]
                                   [--diagnose-only | --fixes CASE ...])
     nox -s "real-corpus(oldest)"  (the same, on the oldest tested release)
+    nox -s "real-corpus(newest)" -- --watch   (runbook.watch on the corpus's training loops,
+                                              run for real: docs/_data/corpus/watched.json)
 
 For each program of `runbook.site.corpus.real` and each target (this machine's CPU, and
 GPU/TPU compilers without the device), nothing allocated:
@@ -397,7 +399,18 @@ def main(argv: list[str] | None = None) -> None:
         help="keep each row's diagnosis; measure these fixes of its program (after a fix "
         "is added or changed)",
     )
+    again.add_argument(
+        "--watch",
+        action="store_true",
+        help="instead, run the single-device programs' training loops at their tiny scale "
+        "under runbook.watch (runbook.site.corpus.watched)",
+    )
     a = parser.parse_args(argv)
+    if a.watch:
+        from runbook.site.corpus import watched
+
+        print(watched.table(watched.write(provenance())), file=sys.stderr, flush=True)
+        return
     kept = a.diagnose_only or a.fixes is not None  # rows that must be in the file already
     names = a.programs or [p.name for p in real.programs()]
     if a.fixes is not None:
