@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.watch:
         from runbook.site.corpus import watched
 
+        if a.targets != list(TARGETS) or a.programs or a.out != OUT:
+            parser.error(f"--watch runs its own loops on this CPU into {watched.OUT}; it "
+                         "takes no --targets, --programs or --out")  # fmt: skip
         print(watched.table(watched.write(provenance())), file=sys.stderr, flush=True)
         return
     kept = a.diagnose_only or a.fixes is not None  # rows that must be in the file already
