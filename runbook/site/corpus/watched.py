@@ -15,7 +15,6 @@ import dataclasses
 import json
 import pathlib
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,6 +26,9 @@ from .real import get
 
 OUT = pathlib.Path(__file__).resolve().parents[3] / "docs" / "_data" / "corpus" / "watched.json"
 STEPS = 12
+# What a leaking loop keeps, by the step argument it is: a corpus step's first argument is
+# its state or model, its second its batch.
+KEPT = {"model": 0, "batch": 1}
 # At the tiny scale a step's batch or model is tens of KiB, under the default 1 MiB of
 # growth: the leaking loops lower that threshold and keep every other one.
 TINY_GROWTH = 2**16
@@ -37,7 +39,7 @@ class Loop:
     """A program's loop: what it keeps each step, besides its losses."""
 
     program: str
-    keeps: str  # "nothing", "batch" or "model"
+    keeps: str  # "nothing", or a key of `KEPT`
 
     @property
     def overrides(self) -> dict[str, Any]:
@@ -70,7 +72,7 @@ class Run:
         if not self.held or self.watch is None:
             return 0.0
         warmup = self.watch.thresholds.warmup
-        return (self.held[-1] - self.held[warmup - 1]) / (STEPS - warmup)
+        return (self.held[-1] - self.held[warmup - 1]) / (len(self.held) - warmup)
 
     def reported_per_step(self) -> float:
         """What the watch's finding says the loop gains per step (0 without one)."""
@@ -99,11 +101,7 @@ def run(loop: Loop, watched: bool = True) -> Run:
     leaks' `TINY_GROWTH`) or not."""
     fn, args = get(loop.program).build("tiny", True)
     jax.block_until_ready(args)
-    keep: Callable[[tuple[Any, ...]], Any] | None = {
-        "nothing": None,
-        "batch": lambda a: a[1],  # the step's second argument: its batch
-        "model": lambda a: a[0],
-    }[loop.keeps]
+    kept_arg = KEPT.get(loop.keeps)
     kept: list[Any] = []
     losses: list[float] = []
     held: list[int] = []
@@ -112,11 +110,12 @@ def run(loop: Loop, watched: bool = True) -> Run:
     with w if w is not None else contextlib.nullcontext():
         for _ in range(STEPS):
             if loop.keeps == "batch":  # a new batch each step, as a loader gives
-                args = (args[0], jax.tree.map(jnp.copy, args[1]), *args[2:])
+                b = KEPT["batch"]
+                args = (*args[:b], jax.tree.map(jnp.copy, args[b]), *args[b + 1 :])
             args, loss = _advance(fn(*args), args)
             losses.append(float(loss))
-            if keep is not None:
-                kept.append(keep(args))
+            if kept_arg is not None:
+                kept.append(args[kept_arg])
                 held.append(_owned(kept))
             if w is not None:
                 w.step()
